@@ -1,0 +1,65 @@
+# vit_train and its tests. `make` builds both binaries; `make test` runs the CPU tier everywhere
+# and the GPU tier where a GPU is present. Override the target GPU with ARCH=..., e.g.
+#   make ARCH="-gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80"
+CUDA    ?= /usr/local/cuda
+NVCC    ?= $(CUDA)/bin/nvcc
+CXX     ?= g++
+ARCH    ?= -gencode arch=compute_90a,code=sm_90a
+BUILD   ?= build
+
+INCLUDES  := -I. -I$(CUDA)/include
+CXXFLAGS  := -std=c++17 -O2 -g -Wall -Wextra -Werror $(INCLUDES) -MMD -MP
+NVCCFLAGS := -std=c++17 -O3 -lineinfo $(ARCH) -Werror all-warnings -Xcompiler -Wall,-Wextra $(INCLUDES) -MMD -MP
+LDFLAGS   := $(ARCH) -L$(CUDA)/lib64 -lcublasLt -Xlinker -rpath,$(CUDA)/lib64
+TEST_INCLUDES := -I/usr/include/eigen3
+
+KERNELS := $(wildcard kernels/*.cu)
+LIB_SRC := $(wildcard engine/*.cpp model/*.cpp)
+LIB_SRC := $(filter-out engine/main.cpp,$(LIB_SRC))
+TEST_SRC := $(wildcard tests/*.cpp tests/reference/*.cpp)
+
+LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
+TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
+
+.PHONY: all test bench profile clean test-deps
+all: vit_train vit_tests
+
+vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
+vit_tests: $(LIB_OBJ) $(TEST_OBJ)
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
+$(BUILD)/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(BUILD)/tests/%.o: tests/%.cpp | test-deps
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) $(TEST_INCLUDES) -c $< -o $@
+
+$(BUILD)/%.o: %.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) -c $< -o $@
+
+# Eigen and doctest, the test tiers' only dependencies: installed when missing (as root), or
+# the exact command to run is printed.
+test-deps:
+	@tools/ensure_test_deps.sh
+
+test: test-deps vit_train vit_tests
+	./vit_tests
+
+# The speed round on a GPU machine: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh).
+bench: vit_train
+	tools/bench.sh
+
+# An Nsight Systems capture of steps 10..14 (needs nsys on the PATH).
+profile: vit_train
+	nsys profile --capture-range=cudaProfilerApi --trace=cuda,nvtx -o vit_train_profile \
+	  ./vit_train --steps 15 --profile-steps 10:14
+
+clean:
+	rm -rf $(BUILD) vit_train vit_tests
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

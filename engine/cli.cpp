@@ -1,0 +1,142 @@
+#include "engine/cli.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <map>
+
+#include "engine/check.h"
+
+namespace {
+[[noreturn]] void bad(const std::string& msg) { throw UsageError(msg); }
+
+long long parse_int(const std::string& flag, const std::string& v, long long lo, long long hi) {
+  errno = 0;
+  char* end = nullptr;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || errno == ERANGE) bad(flag + " expects an integer, got '" + v + "'");
+  if (x < lo || x > hi)
+    bad(flag + " must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + v);
+  return x;
+}
+
+double parse_double(const std::string& flag, const std::string& v, double lo, double hi) {
+  errno = 0;
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(x))
+    bad(flag + " expects a number, got '" + v + "'");
+  if (x < lo || x > hi) bad(flag + " must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + v);
+  return x;
+}
+}  // namespace
+
+std::string usage() {
+  return std::string(
+             "usage: vit_train [options]\n"
+             "Trains a Vision Transformer (timm parity) on the GPU; by default ViT-Huge/16, batch 64, bf16.\n\n"
+             "run:\n"
+             "  --gpus N               GPUs to train on (default 1; data-parallel training is not built yet)\n"
+             "  --precision P          bf16 (default); fp8 is not built yet\n"
+             "  --batch N              images per step (default 64)\n"
+             "  --steps N              training steps (default 50)\n"
+             "  --warmup N             first steps left out of the timing summary (default 10, less if --steps is small)\n"
+             "  --seed N               seed of the initial weights and the synthetic data (default 0)\n"
+             "model (a preset, then any override):\n"
+             "  --model NAME           ") + vit_preset_names() + " (default vit_h16)\n"
+         "  --img N --patch N --channels N --classes N --dim N --depth N --heads N --mlp-ratio X\n"
+         "optimizer (torch.optim.SGD semantics, fp32 master weights and momentum):\n"
+         "  --lr X (0.001)  --momentum X (0.9)  --weight-decay X (0, L2 added to the gradient)  --nesterov\n"
+         "output and profiling:\n"
+         "  --log-every N          print a progress line every N steps (default 10)\n"
+         "  --timing               per-phase and per-op-kind CUDA-event breakdown (synchronises each step)\n"
+         "  --profile-steps A:B    cudaProfilerStart/Stop around steps A..B (nsys --capture-range=cudaProfilerApi)\n"
+         "  --peak-tflops X        dense peak for MFU when the GPU is not known to the engine\n"
+         "  --dump-reference DIR   write weights, batches, step-0 logits/loss/gradients and the losses of\n"
+         "                         --steps steps for tools/timm_reference.py\n"
+         "  --help                 this text\n";
+}
+
+TrainOptions parse_args(const std::vector<std::string>& args) {
+  TrainOptions o;
+  bool warmup_given = false;
+  // The preset first, so that overrides apply whatever their position.
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--model") {
+      if (i + 1 >= args.size()) bad("--model needs a value");
+      if (!vit_preset(args[i + 1], &o.model))
+        bad("unknown model '" + args[i + 1] + "'; choose one of " + vit_preset_names());
+    }
+  }
+  ViTConfig& m = o.model;
+  const int kBig = 1 << 20;
+  using Setter = std::function<void(const std::string&, const std::string&)>;
+  const std::map<std::string, Setter> valued = {
+      {"--model", [](const std::string&, const std::string&) {}},
+      {"--gpus", [&](const std::string& f, const std::string& v) { o.gpus = parse_int(f, v, 1, 1024); }},
+      {"--precision", [&](const std::string&, const std::string& v) {
+         if (v == "fp8") bad("--precision fp8 is not built yet; use --precision bf16");
+         if (v != "bf16") bad("unknown precision '" + v + "'; choose bf16 (fp8 is not built yet)");
+         o.precision = v;
+       }},
+      {"--batch", [&](const std::string& f, const std::string& v) { o.batch = parse_int(f, v, 1, kBig); }},
+      {"--steps", [&](const std::string& f, const std::string& v) { o.steps = parse_int(f, v, 1, 1 << 30); }},
+      {"--warmup", [&](const std::string& f, const std::string& v) { o.warmup = parse_int(f, v, 0, 1 << 30); warmup_given = true; }},
+      {"--seed", [&](const std::string& f, const std::string& v) { o.seed = parse_int(f, v, 0, (1LL << 62)); }},
+      {"--img", [&](const std::string& f, const std::string& v) { m.img = parse_int(f, v, 1, 8192); }},
+      {"--patch", [&](const std::string& f, const std::string& v) { m.patch = parse_int(f, v, 1, 8192); }},
+      {"--channels", [&](const std::string& f, const std::string& v) { m.channels = parse_int(f, v, 1, 64); }},
+      {"--classes", [&](const std::string& f, const std::string& v) { m.classes = parse_int(f, v, 1, kBig); }},
+      {"--dim", [&](const std::string& f, const std::string& v) { m.dim = parse_int(f, v, 1, 65536); }},
+      {"--depth", [&](const std::string& f, const std::string& v) { m.depth = parse_int(f, v, 1, 1024); }},
+      {"--heads", [&](const std::string& f, const std::string& v) { m.heads = parse_int(f, v, 1, 1024); }},
+      {"--mlp-ratio", [&](const std::string& f, const std::string& v) { m.mlp_ratio = parse_double(f, v, 1e-3, 64); }},
+      {"--lr", [&](const std::string& f, const std::string& v) { o.lr = parse_double(f, v, 0, 1e3); }},
+      {"--momentum", [&](const std::string& f, const std::string& v) { o.momentum = parse_double(f, v, 0, 0.999999); }},
+      {"--weight-decay", [&](const std::string& f, const std::string& v) { o.weight_decay = parse_double(f, v, 0, 1e3); }},
+      {"--log-every", [&](const std::string& f, const std::string& v) { o.log_every = parse_int(f, v, 1, 1 << 30); }},
+      {"--peak-tflops", [&](const std::string& f, const std::string& v) { o.peak_tflops = parse_double(f, v, 1e-3, 1e6); }},
+      {"--dump-reference", [&](const std::string&, const std::string& v) {
+         if (v.empty()) bad("--dump-reference needs a directory");
+         o.dump_reference = v;
+       }},
+      {"--profile-steps", [&](const std::string& f, const std::string& v) {
+         const size_t colon = v.find(':');
+         if (colon == std::string::npos) bad(f + " expects A:B (first and last step, inclusive), got '" + v + "'");
+         o.profile_first = parse_int(f, v.substr(0, colon), 0, 1 << 30);
+         o.profile_last = parse_int(f, v.substr(colon + 1), 0, 1 << 30);
+         if (o.profile_last < o.profile_first) bad(f + ": the last step comes before the first in '" + v + "'");
+       }},
+  };
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") { o.help = true; continue; }
+    if (a == "--nesterov") { o.nesterov = true; continue; }
+    if (a == "--timing") { o.timing = true; continue; }
+    std::string flag = a, value;
+    const size_t eq = a.find('=');
+    const bool inline_value = a.rfind("--", 0) == 0 && eq != std::string::npos;
+    if (inline_value) { flag = a.substr(0, eq); value = a.substr(eq + 1); }
+    const auto it = valued.find(flag);
+    if (it == valued.end()) bad("unknown option '" + a + "'");
+    if (!inline_value) {
+      if (i + 1 >= args.size()) bad(flag + " needs a value");
+      value = args[++i];
+    }
+    it->second(flag, value);
+  }
+  if (o.help) return o;
+  try {
+    m.validate();
+  } catch (const std::invalid_argument& e) {
+    bad(std::string("invalid model shape: ") + e.what());
+  }
+  if (!warmup_given) o.warmup = std::min(o.warmup, o.steps - 1);
+  if (o.warmup >= o.steps)
+    bad("--warmup " + std::to_string(o.warmup) + " leaves no timed step out of --steps " + std::to_string(o.steps));
+  if (o.nesterov && o.momentum <= 0) bad("--nesterov needs a positive --momentum (as in torch.optim.SGD)");
+  if (o.profile_first >= 0 && o.profile_last >= o.steps)
+    bad("--profile-steps goes past the last step (" + std::to_string(o.steps - 1) + ")");
+  return o;
+}

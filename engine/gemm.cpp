@@ -1,0 +1,119 @@
+#include "engine/gemm.h"
+
+#include <string>
+
+#include "engine/check.h"
+#include "engine/nvtx.h"
+
+namespace {
+cudaDataType_t cuda_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+size_t elem_size(DType t) { return t == DType::BF16 ? 2 : 4; }
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+std::string describe(const GemmShape& s) {
+  return "M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " + std::to_string(s.K) +
+         (s.trans_a ? " A^T" : " A") + (s.trans_b ? " B^T" : " B") + " lda " +
+         std::to_string(s.lda) + " ldb " + std::to_string(s.ldb) + " ldd " + std::to_string(s.ldd);
+}
+}  // namespace
+
+Gemm::Gemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  CUBLAS_CHECK(cublasLtCreate(&handle_));
+  CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+}
+
+Gemm::~Gemm() {
+  for (auto& [key, p] : plans_) {
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.cd);
+    cublasLtMatmulDescDestroy(p.op);
+  }
+  cudaFree(workspace_);
+  cublasLtDestroy(handle_);
+}
+
+// Row-major D[M, N] is column-major D^T[N, M]; so the row-major product D = op(A) op(B) is the
+// column-major product D^T = op(B)^T op(A)^T: cuBLASLt's "A" is our B and its "B" is our A,
+// with m = N, n = M, and each operand's transpose flag kept (a row-major [r, c] matrix is a
+// column-major [c, r] one, which is exactly the transposition the swap needs).
+const Gemm::Plan& Gemm::plan(const GemmShape& s) {
+  auto it = plans_.find(s.key());
+  if (it != plans_.end()) return it->second;
+
+  Plan p;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_b_as_a = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a_as_b = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_b_as_a,
+                                              sizeof(op_b_as_a)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_a_as_b,
+                                              sizeof(op_a_as_b)));
+  if (s.with_bias) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                                sizeof(epi)));
+  }
+  // Column-major layouts (rows, cols, ld) of the stored matrices.
+  const int b_rows = s.trans_b ? s.K : s.N, b_cols = s.trans_b ? s.N : s.K;  // our B, stored
+  const int a_rows = s.trans_a ? s.M : s.K, a_cols = s.trans_a ? s.K : s.M;  // our A, stored
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, b_rows, b_cols, s.ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, a_rows, a_cols, s.lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.cd, cuda_type(s.d_type), s.N, s.M, s.ldd));
+
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_, sizeof(workspace_bytes_)));
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.cd, p.cd,
+                                                           pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.cd);
+    cublasLtMatmulDescDestroy(p.op);
+    throw RuntimeError("cuBLASLt has no algorithm for GEMM " + describe(s) + ": " +
+                       cublasLtGetStatusString(st));
+  }
+  p.algo = result.algo;
+  return plans_.emplace(s.key(), p).first->second;
+}
+
+void Gemm::run(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
+               const void* bias, cudaStream_t stream) {
+  ENSURE(s.with_c == (C != nullptr) && s.with_bias == (bias != nullptr),
+          "GEMM operands do not match its shape: " + describe(s));
+  ENSURE(aligned16(A) && aligned16(B) && aligned16(D) && (!C || aligned16(C)),
+          "GEMM operands must be 16-byte aligned: " + describe(s));
+  ENSURE(s.lda % 8 == 0 && s.ldb % 8 == 0 && (s.ldd * elem_size(s.d_type)) % 16 == 0,
+          "GEMM leading dimensions must give 16-byte rows: " + describe(s));
+  const Plan& p = plan(s);
+  if (bias)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                sizeof(bias)));
+  const float alpha = 1.0f, beta = C ? 1.0f : 0.0f;
+  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C ? C : D, p.cd, D,
+                              p.cd, &p.algo, workspace_, workspace_bytes_, stream));
+}
+
+void Gemm::linear_forward(const void* x, const void* W, const void* bias, const void* residual,
+                          void* y, DType y_type, int M, int N, int K, cudaStream_t stream,
+                          int ldy) {
+  const GemmShape s{M, N, K, false, true, K, K, ldy ? ldy : N, y_type, residual != nullptr,
+                    bias != nullptr};
+  run(s, x, W, residual, y, bias, stream);
+}
+
+void Gemm::linear_backward_input(const void* dy, const void* W, void* dx, int M, int N, int K,
+                                 cudaStream_t stream, int lddy) {
+  const GemmShape s{M, K, N, false, false, lddy ? lddy : N, K, K, DType::BF16, false, false};
+  run(s, dy, W, nullptr, dx, nullptr, stream);
+}
+
+void Gemm::linear_backward_weight(const void* dy, const void* x, float* dW, int M, int N, int K,
+                                  cudaStream_t stream, int lddy) {
+  const GemmShape s{N, K, M, true, false, lddy ? lddy : N, K, K, DType::F32, false, false};
+  run(s, dy, x, nullptr, dW, nullptr, stream);
+}

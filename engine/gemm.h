@@ -1,0 +1,68 @@
+// The one GEMM entry point: every matrix product of the engine goes through cuBLASLt here.
+// Plans (descriptors, layouts and the chosen algorithm) are cached per shape, so the step never
+// queries the heuristic; only the pointers change from call to call.
+//
+// Matrices are described in the row-major terms the model uses; the cuBLASLt column-major
+// mapping lives in gemm.cpp alone.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+enum class DType { BF16, F32 };
+
+// D[M, N] = op(A) * op(B) + (C if given) + (bias[N] if given), all row-major, fp32 accumulation.
+// op(A) is [M, K]: A stored [M, K] (trans_a false) or [K, M] (trans_a true); likewise op(B) is
+// [K, N]: B stored [K, N] or [N, K] (trans_b true). A and B are bf16; C and D share dtype and
+// leading dimension; bias has D's dtype.
+struct GemmShape {
+  int M, N, K;
+  bool trans_a, trans_b;
+  int lda, ldb, ldd;
+  DType d_type;
+  bool with_c, with_bias;
+  auto key() const {
+    return std::make_tuple(M, N, K, trans_a, trans_b, lda, ldb, ldd, d_type, with_c, with_bias);
+  }
+};
+
+class Gemm {
+ public:
+  explicit Gemm(size_t workspace_bytes);
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  void run(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
+           const void* bias, cudaStream_t stream);
+
+  // The Linear layer's three products (PyTorch layout: W is [out, in]):
+  // y[M, N] = x[M, K] W[N, K]^T (+ bias) (+ residual, same dtype and layout as y)
+  void linear_forward(const void* x, const void* W, const void* bias, const void* residual,
+                      void* y, DType y_type, int M, int N, int K, cudaStream_t stream,
+                      int ldy = 0);
+  // dx[M, K] = dy[M, N] W[N, K]   (bf16 out)
+  void linear_backward_input(const void* dy, const void* W, void* dx, int M, int N, int K,
+                             cudaStream_t stream, int lddy = 0);
+  // dW[N, K] = dy[M, N]^T x[M, K] (fp32 out, overwritten)
+  void linear_backward_weight(const void* dy, const void* x, float* dW, int M, int N, int K,
+                              cudaStream_t stream, int lddy = 0);
+
+  size_t plans_cached() const { return plans_.size(); }
+
+ private:
+  struct Plan {
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, cd = nullptr;
+    cublasLtMatmulAlgo_t algo;
+  };
+  const Plan& plan(const GemmShape& s);
+
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_;
+  std::map<decltype(GemmShape{}.key()), Plan> plans_;
+};

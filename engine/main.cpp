@@ -1,0 +1,33 @@
+// vit_train: parse the command line, train, and turn every failure into one clear message and
+// an exit code (2: usage, 1: run time).
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "engine/check.h"
+#include "engine/cli.h"
+#include "engine/reference_dump.h"
+#include "engine/trainer.h"
+
+int main(int argc, char** argv) {
+  try {
+    const TrainOptions opts = parse_args(std::vector<std::string>(argv + 1, argv + argc));
+    if (opts.help) {
+      std::printf("%s", usage().c_str());
+      return 0;
+    }
+    Trainer trainer(opts);
+    if (opts.dump_reference.empty())
+      trainer.train();
+    else
+      dump_reference(trainer, opts);
+    return 0;
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "vit_train: %s\n(vit_train --help lists the options)\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "vit_train: error: %s\n", e.what());
+    return 1;
+  }
+}

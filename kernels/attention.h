@@ -1,0 +1,29 @@
+// Fused multi-head self-attention core (no mask, scale 1/sqrt(hd), softmax in fp32) on timm's
+// qkv layout, forward and backward, bf16 tensor-core kernels. The whole key range of one
+// (image, head) is held in shared memory, so no score matrix ever reaches device memory and T is
+// bounded by the shared memory of one block (attention_unsupported_reason says where).
+//
+// Layouts (row-major): qkv [B*T, 3*D] with columns [0, D) Q, [D, 2D) K, [2D, 3D) V, head h at
+// columns h*hd .. h*hd+hd-1 within each; D = H*hd. out/dout [B*T, D], heads joined the same way.
+// lse/delta [B, H, T] fp32. Every bf16 pointer must be 16-byte aligned (cudaMalloc's are).
+// hd must be a multiple of 16 in [16, 128].
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+// out = softmax(Q K^T / sqrt(hd)) V per (image, head); lse = natural-log-sum-exp of each query
+// row's scaled scores (kept for the backward).
+void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse, int B, int T,
+                       int H, int hd, cudaStream_t stream);
+
+// dqkv from dout, given the forward's qkv, out and lse. delta is a [B, H, T] fp32 workspace
+// (overwritten with rowsum(dout * out)). Every element of dqkv is written; deterministic (no
+// atomics).
+void attention_backward(const __nv_bfloat16* qkv, const __nv_bfloat16* out,
+                        const __nv_bfloat16* dout, const float* lse, float* delta,
+                        __nv_bfloat16* dqkv, int B, int T, int H, int hd, cudaStream_t stream);
+
+// Empty when (T, hd) is supported on the current device, else a one-line reason.
+std::string attention_unsupported_reason(int T, int hd);

@@ -1,0 +1,56 @@
+#include "engine/check.h"
+#include "engine/nvtx.h"
+#include "kernels/common.cuh"
+#include "kernels/loss.h"
+
+namespace {
+constexpr int kThreads = 256;
+
+__device__ float block_reduce(float v, bool is_max) {
+  __shared__ float s[kThreads / 32];
+  v = is_max ? warp_max(v) : warp_sum(v);
+  __syncthreads();  // s may still be read by a previous call
+  if (threadIdx.x % 32 == 0) s[threadIdx.x / 32] = v;
+  __syncthreads();
+  float r = s[0];
+  for (int i = 1; i < kThreads / 32; ++i) r = is_max ? fmaxf(r, s[i]) : r + s[i];
+  return r;
+}
+
+// One block per row.
+__global__ void softmax_xent_kernel(const float* __restrict__ logits, const int* __restrict__ labels, int B,
+                                    int C, int ld, float* __restrict__ row_loss, bf16* __restrict__ dlogits) {
+  const float* z = logits + static_cast<size_t>(blockIdx.x) * ld;
+  float m = -INFINITY;
+  for (int c = threadIdx.x; c < C; c += kThreads) m = fmaxf(m, z[c]);
+  m = block_reduce(m, true);
+  float s = 0;
+  for (int c = threadIdx.x; c < C; c += kThreads) s += __expf(z[c] - m);
+  s = block_reduce(s, false);
+  const float log_s = __logf(s);
+  const int label = labels[blockIdx.x];
+  bf16* dz = dlogits + static_cast<size_t>(blockIdx.x) * ld;
+  for (int c = threadIdx.x; c < ld; c += kThreads) {
+    const float p = c < C ? __expf(z[c] - m - log_s) : 0.0f;
+    dz[c] = __float2bfloat16_rn((p - (c == label ? 1.0f : 0.0f)) / B);
+  }
+  if (threadIdx.x == 0) row_loss[blockIdx.x] = log_s + m - z[label];
+}
+
+__global__ void mean_kernel(const float* __restrict__ v, int n, float* __restrict__ out) {
+  float s = 0;
+  for (int i = threadIdx.x; i < n; i += kThreads) s += v[i];
+  s = block_reduce(s, false);
+  if (threadIdx.x == 0) *out = s / n;
+}
+}  // namespace
+
+void softmax_xent(const float* logits, const int* labels, int B, int C, int ld, float* row_loss, float* loss,
+                  bf16* dlogits, cudaStream_t stream) {
+  NvtxRange range("softmax_xent");
+  ENSURE(B > 0 && C > 0 && ld >= C, "softmax_xent: bad shape");
+  softmax_xent_kernel<<<B, kThreads, 0, stream>>>(logits, labels, B, C, ld, row_loss, dlogits);
+  LAUNCH_CHECK();
+  mean_kernel<<<1, kThreads, 0, stream>>>(row_loss, B, loss);
+  LAUNCH_CHECK();
+}

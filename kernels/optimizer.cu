@@ -1,0 +1,42 @@
+#include "engine/check.h"
+#include "engine/nvtx.h"
+#include "kernels/common.cuh"
+#include "kernels/optimizer.h"
+
+namespace {
+constexpr int kThreads = 256;
+
+__global__ void sgd_kernel(float4* __restrict__ p, float4* __restrict__ buf, const float4* __restrict__ g,
+                           __nv_bfloat162* __restrict__ p_bf16, size_t n4, SgdHyper h, bool first_step) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n4; i += size_t(gridDim.x) * blockDim.x) {
+    float pv[4], bv[4], gv[4];
+    *reinterpret_cast<float4*>(pv) = p[i];
+    *reinterpret_cast<float4*>(bv) = buf[i];
+    *reinterpret_cast<float4*>(gv) = g[i];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float d = gv[j] + h.weight_decay * pv[j];
+      bv[j] = first_step ? d : h.momentum * bv[j] + d;
+      pv[j] -= h.lr * (h.nesterov ? d + h.momentum * bv[j] : bv[j]);
+    }
+    p[i] = *reinterpret_cast<float4*>(pv);
+    buf[i] = *reinterpret_cast<float4*>(bv);
+    p_bf16[2 * i] = __floats2bfloat162_rn(pv[0], pv[1]);
+    p_bf16[2 * i + 1] = __floats2bfloat162_rn(pv[2], pv[3]);
+  }
+}
+}  // namespace
+
+void sgd_momentum_step(float* params, float* momentum, const float* grads, bf16* params_bf16, size_t n,
+                       SgdHyper h, bool first_step, cudaStream_t stream) {
+  NvtxRange range("sgd_momentum_step");
+  ENSURE(n % 4 == 0 && is_aligned16(params) && is_aligned16(momentum) && is_aligned16(grads) &&
+              is_aligned16(params_bf16),
+          "sgd_momentum_step: n % 4 and 16-byte alignment");
+  const unsigned blocks = static_cast<unsigned>(std::min<size_t>(grid_for(n / 4, kThreads), 132 * 16));
+  sgd_kernel<<<blocks, kThreads, 0, stream>>>(
+      reinterpret_cast<float4*>(params), reinterpret_cast<float4*>(momentum),
+      reinterpret_cast<const float4*>(grads), reinterpret_cast<__nv_bfloat162*>(params_bf16), n / 4, h,
+      first_step);
+  LAUNCH_CHECK();
+}

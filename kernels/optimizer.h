@@ -1,0 +1,16 @@
+// SGD with momentum over the whole flat parameter buffer in one pass (torch.optim.SGD
+// semantics, dampening 0), writing the bf16 copy the next forward's GEMMs read.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+struct SgdHyper {
+  float lr, momentum, weight_decay;
+  bool nesterov;
+};
+
+// n % 4 == 0, all pointers 16-byte aligned. first_step: momentum buffer = gradient.
+void sgd_momentum_step(float* params, float* momentum, const float* grads, __nv_bfloat16* params_bf16,
+                       size_t n, SgdHyper h, bool first_step, cudaStream_t stream);

@@ -1,0 +1,69 @@
+#include "engine/check.h"
+#include "kernels/common.cuh"
+#include "kernels/random.h"
+
+namespace {
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Uniform in (0, 1): 24 random bits, never 0 (log is taken of it).
+__device__ __forceinline__ float uniform01(uint64_t key, uint64_t counter) {
+  return (static_cast<float>(splitmix64(key ^ splitmix64(counter)) >> 40) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+__global__ void normal_kernel(float* __restrict__ out, size_t n, uint64_t key, float mean, float std, float lo,
+                              float hi) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    float v = mean;
+    for (uint64_t attempt = 0; attempt < 64; ++attempt) {  // redraws are vanishingly rare for +-2 at 0.02
+      const uint64_t c = (i * 64 + attempt) * 2;
+      const float u1 = uniform01(key, c), u2 = uniform01(key, c + 1);
+      v = mean + std * sqrtf(-2.0f * __logf(u1)) * __cosf(6.283185307179586f * u2);
+      if (v >= lo && v <= hi) break;
+    }
+    out[i] = fminf(fmaxf(v, lo), hi);
+  }
+}
+
+__global__ void uniform_kernel(float* __restrict__ out, size_t n, uint64_t key, float lo, float hi) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = lo + (hi - lo) * uniform01(key, i);
+}
+
+__global__ void labels_kernel(int* labels, int n, int64_t first, int classes) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) labels[i] = static_cast<int>((first + i) % classes);
+}
+
+uint64_t make_key(uint64_t seed, uint64_t stream_id) {
+  return seed * 0x2545f4914f6cdd1dull ^ (stream_id + 0x632be59bd9b4e019ull) * 0x9e3779b97f4a7c15ull;
+}
+unsigned blocks_for(size_t n) { return static_cast<unsigned>(std::min<size_t>(grid_for(n, kThreads), 132 * 16)); }
+}  // namespace
+
+void fill_normal(float* out, size_t n, uint64_t seed, uint64_t stream_id, float mean, float std, float lo,
+                 float hi, cudaStream_t stream) {
+  ENSURE(lo < hi, "fill_normal: empty truncation interval");
+  if (n == 0) return;
+  normal_kernel<<<blocks_for(n), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), mean, std, lo, hi);
+  LAUNCH_CHECK();
+}
+
+void fill_uniform(float* out, size_t n, uint64_t seed, uint64_t stream_id, float lo, float hi,
+                  cudaStream_t stream) {
+  if (n == 0) return;
+  uniform_kernel<<<blocks_for(n), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), lo, hi);
+  LAUNCH_CHECK();
+}
+
+void fill_labels(int* labels, int n, int64_t first_index, int classes, cudaStream_t stream) {
+  ENSURE(classes > 0, "fill_labels: no classes");
+  labels_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(labels, n, first_index, classes);
+  LAUNCH_CHECK();
+}

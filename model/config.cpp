@@ -1,0 +1,61 @@
+#include "model/config.h"
+
+#include <sstream>
+#include <stdexcept>
+
+bool vit_preset(const std::string& name, ViTConfig* out) {
+  struct Preset { const char* name; int dim, depth, heads; };
+  static const Preset presets[] = {
+      {"vit_h16", 1280, 32, 16}, {"vit_l16", 1024, 24, 16}, {"vit_b16", 768, 12, 12},
+      {"vit_s16", 384, 12, 6},   {"vit_ti16", 192, 12, 3},
+  };
+  for (const Preset& p : presets) {
+    if (name == p.name) {
+      ViTConfig c;
+      c.name = p.name;
+      c.dim = p.dim;
+      c.depth = p.depth;
+      c.heads = p.heads;
+      *out = c;
+      return true;
+    }
+  }
+  return false;
+}
+
+const char* vit_preset_names() { return "vit_h16, vit_l16, vit_b16, vit_s16, vit_ti16"; }
+
+double ViTConfig::train_flops_per_image() const {
+  const double D = dim, N = tokens(), P = patches(), H = hidden();
+  const double block = N * (2 * D * 3 * D + 2 * D * D + 2 * 2 * D * H)  // qkv, proj, fc1, fc2
+                       + 2 * 2 * N * N * D;                              // q k^T and p v
+  const double forward = depth * block + P * 2.0 * patch_dim() * D + 2.0 * D * classes;
+  return 3.0 * forward;
+}
+
+void ViTConfig::validate() const {
+  auto fail = [](const std::string& m) { throw std::invalid_argument(m); };
+  if (img < 1 || patch < 1 || channels < 1 || classes < 1 || dim < 1 || depth < 1 || heads < 1)
+    fail("--img, --patch, --channels, --classes, --dim, --depth and --heads must all be positive");
+  if (img % patch != 0)
+    fail("image size " + std::to_string(img) + " is not divisible by patch size " +
+         std::to_string(patch));
+  if (dim % heads != 0)
+    fail("dim " + std::to_string(dim) + " is not divisible by heads " + std::to_string(heads));
+  if (!(mlp_ratio > 0) || hidden() < 1) fail("--mlp-ratio must give a positive hidden size");
+  if (dim % 8 != 0 || hidden() % 8 != 0 || patch_dim() % 8 != 0)
+    fail("dim, the MLP hidden size and channels*patch*patch must be multiples of 8 (16-byte rows "
+         "for the bf16 GEMMs); got dim " + std::to_string(dim) + ", hidden " +
+         std::to_string(hidden()) + ", patch dim " + std::to_string(patch_dim()));
+  if (head_dim() % 16 != 0 || head_dim() > 128)
+    fail("head dim (dim/heads) must be a multiple of 16 and at most 128 for the attention "
+         "kernel; got " + std::to_string(head_dim()));
+}
+
+std::string ViTConfig::describe() const {
+  std::ostringstream s;
+  s << name << ": img " << img << ", patch " << patch << ", channels " << channels << ", classes "
+    << classes << ", dim " << dim << ", depth " << depth << ", heads " << heads << " (head dim "
+    << head_dim() << "), mlp hidden " << hidden() << ", tokens " << tokens();
+  return s.str();
+}

@@ -1,0 +1,30 @@
+// The ViT architecture as numbers: presets matching timm and the shapes derived from them.
+#pragma once
+#include <cstdint>
+#include <string>
+
+struct ViTConfig {
+  std::string name = "vit_h16";
+  int img = 224, patch = 16, channels = 3, classes = 1000;
+  int dim = 1280, depth = 32, heads = 16;
+  double mlp_ratio = 4.0;
+
+  int grid() const { return img / patch; }
+  int patches() const { return grid() * grid(); }
+  int tokens() const { return patches() + 1; }  // + class token
+  int head_dim() const { return dim / heads; }
+  int hidden() const { return static_cast<int>(dim * mlp_ratio); }  // timm: int(dim * mlp_ratio)
+  int patch_dim() const { return channels * patch * patch; }         // (c, kh, kw) flattened
+
+  // Model FLOPs of one training step per image: 3x the forward's matmul FLOPs (the convention
+  // behind MFU; the image gradient of the patch embedding is counted though never computed).
+  double train_flops_per_image() const;
+  // Throws std::invalid_argument naming the problem when the shape is not a valid ViT.
+  void validate() const;
+  std::string describe() const;
+};
+
+// Presets: vit_h16, vit_l16, vit_b16, vit_s16, vit_ti16 (timm's vit_*_patch16_224 shapes).
+// Returns false if the name is unknown.
+bool vit_preset(const std::string& name, ViTConfig* out);
+const char* vit_preset_names();

@@ -1,0 +1,153 @@
+// CPU tier: the command line, model presets and parameter layout, safetensors writing, and the
+// exit codes of vit_train itself on bad input.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "engine/check.h"
+#include "engine/cli.h"
+#include "engine/safetensors.h"
+#include "model/params.h"
+#include "tests/harness.h"
+
+namespace {
+TrainOptions parse(std::initializer_list<const char*> a) {
+  return parse_args(std::vector<std::string>(a.begin(), a.end()));
+}
+std::string usage_error(std::initializer_list<const char*> a) {
+  try {
+    parse(a);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("cli: defaults are ViT-H/16, batch 64, bf16, SGD lr 0.001 momentum 0.9") {
+  const TrainOptions o = parse({});
+  CHECK(o.model.name == "vit_h16");
+  CHECK(o.model.dim == 1280);
+  CHECK(o.model.depth == 32);
+  CHECK(o.model.heads == 16);
+  CHECK(o.batch == 64);
+  CHECK(o.precision == "bf16");
+  CHECK(o.lr == doctest::Approx(0.001));
+  CHECK(o.momentum == doctest::Approx(0.9));
+  CHECK(o.gpus == 1);
+}
+
+TEST_CASE("cli: presets and overrides, in any order, with --flag=value too") {
+  TrainOptions o = parse({"--dim", "64", "--model", "vit_b16", "--depth=2", "--heads", "4", "--img", "32",
+                          "--patch", "8", "--classes", "10", "--mlp-ratio", "2", "--nesterov", "--timing",
+                          "--profile-steps", "3:5", "--steps", "10", "--warmup", "2"});
+  CHECK(o.model.dim == 64);
+  CHECK(o.model.depth == 2);
+  CHECK(o.model.heads == 4);
+  CHECK(o.model.tokens() == 17);
+  CHECK(o.model.hidden() == 128);
+  CHECK(o.nesterov);
+  CHECK(o.timing);
+  CHECK(o.profile_first == 3);
+  CHECK(o.profile_last == 5);
+  o = parse({"--model", "vit_ti16"});
+  CHECK(o.model.dim == 192);
+  CHECK(o.model.heads == 3);
+  CHECK(parse({"--steps", "3"}).warmup == 2);  // warm-up shrinks to leave a timed step
+}
+
+TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
+  CHECK(usage_error({"--bogus"}).find("unknown option '--bogus'") != std::string::npos);
+  CHECK(usage_error({"--precision", "fp16"}).find("unknown precision 'fp16'") != std::string::npos);
+  CHECK(usage_error({"--precision", "fp8"}).find("not built yet") != std::string::npos);
+  CHECK(usage_error({"--gpus", "0"}).find("--gpus must be between 1") != std::string::npos);
+  CHECK(usage_error({"--batch", "-1"}).find("--batch must be between 1") != std::string::npos);
+  CHECK(usage_error({"--batch", "12x"}).find("expects an integer") != std::string::npos);
+  CHECK(usage_error({"--batch"}).find("needs a value") != std::string::npos);
+  CHECK(usage_error({"--lr", "nan"}).find("expects a number") != std::string::npos);
+  CHECK(usage_error({"--dim", "100", "--heads", "16"}).find("not divisible by heads") != std::string::npos);
+  CHECK(usage_error({"--img", "225"}).find("not divisible by patch") != std::string::npos);
+  CHECK(usage_error({"--model", "vit_x"}).find("unknown model 'vit_x'") != std::string::npos);
+  CHECK(usage_error({"--steps", "5", "--warmup", "5"}).find("no timed step") != std::string::npos);
+  CHECK(usage_error({"--nesterov", "--momentum", "0"}).find("--nesterov needs") != std::string::npos);
+  CHECK(usage_error({"--profile-steps", "5:2"}).find("comes before") != std::string::npos);
+  CHECK(usage_error({"--profile-steps", "1:99", "--steps", "10"}).find("past the last step") != std::string::npos);
+  CHECK(usage_error({"--dim", "1288", "--heads", "8"}).find("head dim") != std::string::npos);
+}
+
+TEST_CASE("model: ViT-H/16 has timm's 632,199,400 parameters in 392 tensors") {
+  ViTConfig c;
+  const ParamLayout layout(c);
+  CHECK(layout.count() == 632199400u);
+  CHECK(layout.tensors().size() == 392u);
+  CHECK(layout.at(layout.find("blocks.31.mlp.fc2.weight")).shape == std::vector<int64_t>{1280, 5120});
+  CHECK(layout.at(layout.find("patch_embed.proj.weight")).shape == std::vector<int64_t>{1280, 3, 16, 16});
+  CHECK(layout.at(layout.find("pos_embed")).shape == std::vector<int64_t>{1, 197, 1280});
+  for (const ParamTensor& t : layout.tensors()) REQUIRE(t.offset % ParamLayout::kParamAlign == 0);
+  CHECK(c.train_flops_per_image() / 1e9 == doctest::Approx(763.9).epsilon(1e-3));
+}
+
+TEST_CASE("safetensors: header and data as PyTorch reads them; the write is atomic") {
+  char dir[] = "/tmp/vit_st_XXXXXX";
+  REQUIRE(mkdtemp(dir) != nullptr);
+  const std::string path = std::string(dir) + "/t.safetensors";
+  const float a[3] = {1.5f, -2.0f, 3.25f};
+  const int64_t b[2] = {7, 9};
+  write_safetensors(path, {{"a", "F32", {3}, a, sizeof a}, {"b.x", "I64", {1, 2}, b, sizeof b}});
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string bytes = ss.str();
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  REQUIRE(n % 8 == 0);
+  const std::string header = bytes.substr(8, n);
+  CHECK(header.find("\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]}") != std::string::npos);
+  CHECK(header.find("\"b.x\":{\"dtype\":\"I64\",\"shape\":[1,2],\"data_offsets\":[12,28]}") != std::string::npos);
+  REQUIRE(bytes.size() == 8 + n + 28);
+  float a2[3];
+  std::memcpy(a2, bytes.data() + 8 + n, sizeof a2);
+  CHECK(a2[2] == 3.25f);
+  CHECK(access((path + ".tmp").c_str(), F_OK) != 0);
+  // A write that cannot happen leaves the old file as it was.
+  CHECK_THROWS_AS(write_safetensors(std::string(dir) + "/missing/t.safetensors", {}), RuntimeError);
+  std::remove(path.c_str());
+  rmdir(dir);
+}
+
+namespace {
+// Runs ./vit_train with arguments; returns its exit code and stderr.
+int run_vit_train(const std::string& args, std::string* err) {
+  const std::string cmd = "./vit_train " + args + " 2>/tmp/vit_train_test_err >/dev/null";
+  const int st = std::system(cmd.c_str());
+  std::ifstream in("/tmp/vit_train_test_err");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  *err = ss.str();
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+}  // namespace
+
+TEST_CASE("vit_train: exit code 2 and one message for usage errors, 1 for run-time errors") {
+  REQUIRE_MESSAGE(access("./vit_train", X_OK) == 0, "build ./vit_train first (make)");
+  std::string err;
+  CHECK(run_vit_train("--precision fp16", &err) == 2);
+  CHECK(err.find("unknown precision 'fp16'") != std::string::npos);
+  CHECK(run_vit_train("--batch -1", &err) == 2);
+  CHECK(err.find("--batch") != std::string::npos);
+  CHECK(run_vit_train("--help", &err) == 0);
+  if (!gpu_available()) {
+    CHECK(run_vit_train("--steps 1", &err) == 1);
+    CHECK(err.find("no CUDA GPU") != std::string::npos);
+  } else {
+    CHECK(run_vit_train("--gpus 64", &err) == 2);
+    CHECK(err.find("more GPUs than") != std::string::npos);
+    CHECK(run_vit_train("--batch 1000000", &err) == 1);
+    CHECK(err.find("does not fit") != std::string::npos);
+  }
+}

@@ -1,0 +1,276 @@
+// GPU tier: every kernel against the float64 CPU reference, on fresh random inputs, with the
+// outputs poisoned first.
+#include <doctest/doctest.h>
+
+#include <random>
+
+#include "kernels/attention.h"
+#include "kernels/elementwise.h"
+#include "kernels/embed.h"
+#include "kernels/layernorm.h"
+#include "kernels/loss.h"
+#include "kernels/optimizer.h"
+#include "kernels/random.h"
+#include "kernels/reduce.h"
+#include "tests/gpu_util.h"
+#include "tests/harness.h"
+#include "tests/reference/reference.h"
+
+using bf16 = __nv_bfloat16;
+
+namespace {
+// Tolerances on ||gpu - ref|| / ||ref||: fp32 arithmetic on identical inputs lands far below
+// 1e-5; a bf16 output carries a rounding of 2^-9 relative per element.
+constexpr double kF32Tol = 1e-5;
+constexpr double kBf16OutTol = 5e-3;
+
+template <class T>
+std::vector<double> slice(const std::vector<T>& v, size_t begin, size_t n) {
+  return std::vector<double>(v.begin() + begin, v.begin() + begin + n);
+}
+}  // namespace
+
+TEST_CASE("gpu: layernorm forward and backward against the reference") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  for (int stride_mult : {1, 3}) {
+    const int M = 37, D = 264, stride = D * stride_mult;
+    CAPTURE(stride_mult);
+    // Rows spaced by stride (the final LayerNorm reads class-token rows only); the rest unused.
+    const auto x_all = round_f32(random_vec(rng, static_cast<size_t>(M) * stride, -3, 3));
+    const auto w = round_f32(random_vec(rng, D, 0.5, 1.5)), b = round_f32(random_vec(rng, D));
+    std::vector<double> x(static_cast<size_t>(M) * D);
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < D; ++c) x[r * D + c] = x_all[static_cast<size_t>(r) * stride + c];
+    std::vector<double> y_ref, mean_ref, rstd_ref;
+    ref::layernorm_forward(M, D, x, w.data(), b.data(), 1e-6, &y_ref, &mean_ref, &rstd_ref);
+
+    DeviceBuffer<float> dx_all(to_f32(x_all)), dw(to_f32(w)), db(to_f32(b)), dmean(M), drstd(M);
+    DeviceBuffer<bf16> dy_out(static_cast<size_t>(M) * D);
+    layernorm_forward(dx_all.get(), stride, dw.get(), db.get(), dy_out.get(), dmean.get(), drstd.get(), M, D, 1e-6f, 0);
+    CHECK(rel_error(to_f64(dy_out.download()), y_ref) < kBf16OutTol);
+    CHECK(rel_error(to_f64(dmean.download()), mean_ref) < kF32Tol);
+    CHECK(rel_error(to_f64(drstd.download()), rstd_ref) < kF32Tol);
+
+    // Backward fused with the residual: g += dx, g_bf16 = bf16(g).
+    const auto dy = round_bf16(random_vec(rng, static_cast<size_t>(M) * D));
+    const auto g0 = round_f32(random_vec(rng, static_cast<size_t>(M) * stride));
+    std::vector<double> dx_ref, dw_ref(D), db_ref(D);
+    ref::layernorm_backward(M, D, x, w.data(), to_f64(dmean.download()), to_f64(drstd.download()), dy, &dx_ref,
+                            dw_ref.data(), db_ref.data());
+    std::vector<double> g_ref = g0;
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < D; ++c) g_ref[static_cast<size_t>(r) * stride + c] += dx_ref[r * D + c];
+    DeviceBuffer<bf16> ddy(to_bf16(dy)), dg_bf16(static_cast<size_t>(M) * stride);
+    DeviceBuffer<float> dg(to_f32(g0)), ddw(D), ddb(D), partial(layernorm_partial_floats(M, D));
+    layernorm_backward(ddy.get(), dx_all.get(), stride, dw.get(), dmean.get(), drstd.get(), dg.get(), dg_bf16.get(),
+                       ddw.get(), ddb.get(), partial.get(), M, D, 0);
+    const auto g_out = to_f64(dg.download());
+    const auto gb_out = to_f64(dg_bf16.download());
+    std::vector<double> g_rows, g_ref_rows, gb_rows;
+    for (int r = 0; r < M; ++r) {
+      const size_t o = static_cast<size_t>(r) * stride;
+      for (int c = 0; c < D; ++c) {
+        g_rows.push_back(g_out[o + c]);
+        gb_rows.push_back(gb_out[o + c]);
+        g_ref_rows.push_back(g_ref[o + c]);
+      }
+    }
+    CHECK(rel_error(g_rows, g_ref_rows) < 1e-5);
+    CHECK(rel_error(gb_rows, g_ref_rows) < kBf16OutTol);
+    CHECK(rel_error(to_f64(ddw.download()), dw_ref) < 1e-5);
+    CHECK(rel_error(to_f64(ddb.download()), db_ref) < 1e-5);
+  }
+}
+
+TEST_CASE("gpu: GELU forward and backward against the reference") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  const size_t n = 8 * 1001;
+  const auto h = round_bf16(random_vec(rng, n, -5, 5)), da = round_bf16(random_vec(rng, n));
+  std::vector<double> a_ref(n), dh_ref(n);
+  for (size_t i = 0; i < n; ++i) {
+    a_ref[i] = ref::gelu(h[i]);
+    dh_ref[i] = da[i] * ref::gelu_grad(h[i]);
+  }
+  DeviceBuffer<bf16> dh_in(to_bf16(h)), da_in(to_bf16(da)), a(n), dh(n);
+  gelu_forward(dh_in.get(), a.get(), n, 0);
+  gelu_backward(da_in.get(), dh_in.get(), dh.get(), n, 0);
+  CHECK(rel_error(to_f64(a.download()), a_ref) < kBf16OutTol);
+  CHECK(rel_error(to_f64(dh.download()), dh_ref) < kBf16OutTol);
+  gelu_backward(da_in.get(), dh_in.get(), da_in.get(), n, 0);  // in place, as the model runs it
+  CHECK(rel_error(to_f64(da_in.download()), dh_ref) < kBf16OutTol);
+}
+
+TEST_CASE("gpu: column sums in fp32 and bf16") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  const int M = 333, N = 300, ld = 312;
+  const auto x = round_bf16(random_vec(rng, static_cast<size_t>(M) * ld));
+  std::vector<double> ref_sum(N, 0.0);
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c) ref_sum[c] += x[static_cast<size_t>(r) * ld + c];
+  DeviceBuffer<float> xf(to_f32(x)), out(N), partial(colsum_partial_floats(M, N));
+  DeviceBuffer<bf16> xb(to_bf16(x));
+  colsum(xf.get(), M, N, ld, out.get(), partial.get(), 0);
+  CHECK(rel_error(to_f64(out.download()), ref_sum) < 1e-5);
+  out.poison();
+  colsum(xb.get(), M, N, ld, out.get(), partial.get(), 0);
+  CHECK(rel_error(to_f64(out.download()), ref_sum) < 1e-5);
+}
+
+TEST_CASE("gpu: patchify and the class-token/position embedding") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  ViTConfig c;
+  c.img = 24; c.patch = 8; c.channels = 3; c.dim = 16;
+  const int B = 3, P = c.patches(), T = c.tokens(), D = c.dim;
+  const auto images = round_bf16(random_vec(rng, static_cast<size_t>(B) * 3 * 24 * 24));
+  DeviceBuffer<float> dimg(to_f32(images));
+  DeviceBuffer<bf16> patches(static_cast<size_t>(B) * P * c.patch_dim());
+  patchify(dimg.get(), patches.get(), B, c.channels, c.img, c.patch, 0);
+  CHECK(rel_error(to_f64(patches.download()), ref::patchify(c, B, images)) == 0.0);
+
+  const auto po = round_f32(random_vec(rng, static_cast<size_t>(B) * P * D));
+  const auto cls = round_f32(random_vec(rng, D)), pos = round_f32(random_vec(rng, static_cast<size_t>(T) * D));
+  std::vector<double> x_ref(static_cast<size_t>(B) * T * D);
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t)
+      for (int d = 0; d < D; ++d)
+        x_ref[(static_cast<size_t>(b) * T + t) * D + d] =
+            static_cast<float>((t == 0 ? cls[d] : po[(static_cast<size_t>(b) * P + t - 1) * D + d]) + pos[t * D + d]);
+  DeviceBuffer<float> dpo(to_f32(po)), dcls(to_f32(cls)), dpos(to_f32(pos)), x(x_ref.size());
+  embed_forward(dpo.get(), dcls.get(), dpos.get(), x.get(), B, T, D, 0);
+  CHECK(rel_error(to_f64(x.download()), x_ref) == 0.0);
+
+  const auto g = round_bf16(random_vec(rng, x_ref.size()));
+  DeviceBuffer<float> dg(to_f32(g));
+  DeviceBuffer<bf16> dpatch(static_cast<size_t>(B) * P * D);
+  embed_backward(dg.get(), dpatch.get(), B, T, D, 0);
+  std::vector<double> dpatch_ref;
+  for (int b = 0; b < B; ++b)
+    for (int t = 1; t < T; ++t)
+      for (int d = 0; d < D; ++d) dpatch_ref.push_back(g[(static_cast<size_t>(b) * T + t) * D + d]);
+  CHECK(rel_error(to_f64(dpatch.download()), dpatch_ref) == 0.0);
+}
+
+TEST_CASE("gpu: softmax cross-entropy") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  const int B = 19, C = 1000, ld = 1000 + 8;
+  const auto z = round_f32(random_vec(rng, static_cast<size_t>(B) * ld, -8, 8));
+  std::vector<int> labels(B);
+  for (int b = 0; b < B; ++b) labels[b] = static_cast<int>(rng() % C);
+  std::vector<double> z_dense, dz_ref;
+  for (int b = 0; b < B; ++b) z_dense.insert(z_dense.end(), z.begin() + b * ld, z.begin() + b * ld + C);
+  const double loss_ref = ref::softmax_xent(B, C, z_dense, labels, &dz_ref);
+  DeviceBuffer<float> dz_in(to_f32(z)), row_loss(B), loss(1);
+  DeviceBuffer<int> dl(labels);
+  DeviceBuffer<bf16> dz(static_cast<size_t>(B) * ld);
+  softmax_xent(dz_in.get(), dl.get(), B, C, ld, row_loss.get(), loss.get(), dz.get(), 0);
+  CHECK(std::abs(loss.download()[0] - loss_ref) / loss_ref < 1e-5);
+  const auto dz_out = to_f64(dz.download());
+  std::vector<double> dz_dense, padding;
+  for (int b = 0; b < B; ++b) {
+    dz_dense.insert(dz_dense.end(), dz_out.begin() + b * ld, dz_out.begin() + b * ld + C);
+    padding.insert(padding.end(), dz_out.begin() + b * ld + C, dz_out.begin() + (b + 1) * ld);
+  }
+  CHECK(rel_error(dz_dense, dz_ref) < kBf16OutTol);
+  CHECK(rel_error(padding, std::vector<double>(padding.size(), 0.0)) == 0.0);
+}
+
+TEST_CASE("gpu: SGD with momentum, torch.optim.SGD semantics, two steps") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  const size_t n = 4 * 777;
+  for (bool nesterov : {false, true}) {
+    for (double wd : {0.0, 0.05}) {
+      CAPTURE(nesterov);
+      CAPTURE(wd);
+      auto p = round_f32(random_vec(rng, n)), buf = std::vector<double>(n, 0.0);
+      DeviceBuffer<float> dp(to_f32(p)), dbuf(n), dg(n);
+      DeviceBuffer<bf16> dpb(n);
+      const SgdHyper h{0.1f, 0.9f, static_cast<float>(wd), nesterov};
+      for (int step = 0; step < 2; ++step) {
+        const auto g = round_f32(random_vec(rng, n));
+        dg.upload(to_f32(g));
+        ref::sgd_step(p, buf, g, 0.1, 0.9, wd, nesterov, step == 0);
+        sgd_momentum_step(dp.get(), dbuf.get(), dg.get(), dpb.get(), n, h, step == 0, 0);
+      }
+      CHECK(rel_error(to_f64(dp.download()), p) < 1e-6);
+      CHECK(rel_error(to_f64(dbuf.download()), buf) < 1e-6);
+      CHECK(rel_error(to_f64(dpb.download()), p) < kBf16OutTol);
+    }
+  }
+}
+
+TEST_CASE("gpu: random fills are deterministic and have the asked distribution") {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 1 << 20;
+  DeviceBuffer<float> a(n), b(n);
+  fill_normal(a.get(), n, 7, 3, 0.5f, 2.0f, -INFINITY, INFINITY, 0);
+  fill_normal(b.get(), n, 7, 3, 0.5f, 2.0f, -INFINITY, INFINITY, 0);
+  const auto va = a.download(), vb = b.download();
+  CHECK(va == vb);
+  double mean = 0, var = 0;
+  for (float v : va) mean += v / n;
+  for (float v : va) var += (v - mean) * (v - mean) / n;
+  CHECK(std::abs(mean - 0.5) < 0.01);
+  CHECK(std::abs(std::sqrt(var) - 2.0) < 0.01);
+  fill_normal(b.get(), n, 8, 3, 0.5f, 2.0f, -INFINITY, INFINITY, 0);
+  CHECK(b.download() != va);
+  fill_normal(a.get(), n, 7, 4, 0.0f, 1.0f, -0.5f, 0.5f, 0);  // truncation
+  for (float v : a.download()) REQUIRE((v >= -0.5f && v <= 0.5f));
+  fill_uniform(a.get(), n, 7, 5, -0.25f, 0.25f, 0);
+  double lo = 1, hi = -1;
+  for (float v : a.download()) { lo = std::min<double>(lo, v); hi = std::max<double>(hi, v); }
+  CHECK(lo >= -0.25);
+  CHECK(hi < 0.25);
+  CHECK(lo < -0.249);
+  CHECK(hi > 0.249);
+  DeviceBuffer<int> labels(100);
+  fill_labels(labels.get(), 100, 250, 7, 0);
+  const auto l = labels.download();
+  for (int i = 0; i < 100; ++i) REQUIRE(l[i] == (250 + i) % 7);
+}
+
+TEST_CASE("gpu: fused attention forward and backward against the reference") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  struct Shape { int B, T, H, hd; };
+  for (Shape s : {Shape{2, 197, 2, 80}, Shape{1, 17, 4, 16}, Shape{2, 50, 1, 64}, Shape{1, 65, 2, 128},
+                  Shape{1, 257, 1, 64}, Shape{3, 5, 2, 32}, Shape{1, 200, 1, 48}}) {
+    CAPTURE(s.T);
+    CAPTURE(s.hd);
+    if (!attention_unsupported_reason(s.T, s.hd).empty()) {
+      FAIL_CHECK("unsupported: " << attention_unsupported_reason(s.T, s.hd));
+      continue;
+    }
+    const int D = s.H * s.hd;
+    const size_t rows = static_cast<size_t>(s.B) * s.T;
+    const auto qkv = round_bf16(random_vec(rng, rows * 3 * D, -2, 2));
+    const auto dout = round_bf16(random_vec(rng, rows * D));
+    std::vector<double> out_ref, lse_ref, dqkv_ref;
+    ref::attention_forward(s.B, s.T, s.H, s.hd, qkv, &out_ref, &lse_ref);
+    ref::attention_backward(s.B, s.T, s.H, s.hd, qkv, dout, &dqkv_ref);
+
+    DeviceBuffer<bf16> dqkv_in(to_bf16(qkv)), out(rows * D), ddout(to_bf16(dout)), dqkv(rows * 3 * D);
+    DeviceBuffer<float> lse(rows * s.H), delta(rows * s.H);
+    attention_forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0);
+    CHECK(rel_error(to_f64(out.download()), out_ref) < 1e-2);
+    CHECK(rel_error(to_f64(lse.download()), lse_ref) < 1e-4);
+    attention_backward(dqkv_in.get(), out.get(), ddout.get(), lse.get(), delta.get(), dqkv.get(), s.B, s.T, s.H, s.hd, 0);
+    const auto got = to_f64(dqkv.download());
+    // dQ, dK, dV separately: each is bf16 products of bf16-rounded P and dS.
+    for (int part = 0; part < 3; ++part) {
+      std::vector<double> a, b;
+      for (size_t r = 0; r < rows; ++r)
+        for (int c = 0; c < D; ++c) {
+          a.push_back(got[r * 3 * D + part * D + c]);
+          b.push_back(dqkv_ref[r * 3 * D + part * D + c]);
+        }
+      CAPTURE(part);
+      CHECK(rel_error(a, b) < 2e-2);
+    }
+  }
+}

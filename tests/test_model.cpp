@@ -1,0 +1,176 @@
+// GPU tier: the GEMM entry point against a float64 product, and the whole model's loss, logits
+// and every parameter gradient on a small config against the CPU reference.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <random>
+
+#include "engine/gemm.h"
+#include "kernels/optimizer.h"
+#include "model/vit.h"
+#include "tests/gpu_util.h"
+#include "tests/harness.h"
+#include "tests/reference/reference.h"
+
+using bf16 = __nv_bfloat16;
+
+TEST_CASE("gpu: GEMM entry point, the Linear layer's three products") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  Gemm gemm(32u << 20);
+  const int M = 197, N = 120, K = 88;
+  const auto x = round_bf16(random_vec(rng, static_cast<size_t>(M) * K));
+  const auto W = round_bf16(random_vec(rng, static_cast<size_t>(N) * K));
+  const auto bias = round_bf16(random_vec(rng, N));
+  const auto resid = round_f32(random_vec(rng, static_cast<size_t>(M) * N));
+  const auto dy = round_bf16(random_vec(rng, static_cast<size_t>(M) * N));
+  std::vector<double> y_ref, dx_ref, dW_ref(static_cast<size_t>(N) * K);
+  ref::linear_forward(M, N, K, x, W.data(), bias.data(), &y_ref);
+  ref::linear_backward(M, N, K, x, W.data(), dy, &dx_ref, dW_ref.data(), nullptr);
+  DeviceBuffer<bf16> dx_in(to_bf16(x)), dW_in(to_bf16(W)), dbias(to_bf16(bias)), ddy(to_bf16(dy));
+  DeviceBuffer<float> dbias32(to_f32(bias)), dresid(to_f32(resid));
+
+  SUBCASE("bf16 out with bias") {
+    DeviceBuffer<bf16> y(static_cast<size_t>(M) * N);
+    gemm.linear_forward(dx_in.get(), dW_in.get(), dbias.get(), nullptr, y.get(), DType::BF16, M, N, K, 0);
+    CHECK(rel_error(to_f64(y.download()), y_ref) < 5e-3);
+  }
+  SUBCASE("fp32 out with bias and residual, in a padded row") {
+    const int ldy = N + 8;
+    std::vector<float> r_pad(static_cast<size_t>(M) * ldy, 0.0f);
+    std::vector<double> want;
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) {
+        r_pad[static_cast<size_t>(i) * ldy + j] = static_cast<float>(resid[i * N + j]);
+        want.push_back(y_ref[i * N + j] + resid[i * N + j]);
+      }
+    DeviceBuffer<float> r(r_pad), y(r_pad.size());
+    gemm.linear_forward(dx_in.get(), dW_in.get(), dbias32.get(), r.get(), y.get(), DType::F32, M, N, K, 0, ldy);
+    const auto got = y.download();
+    std::vector<double> dense;
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) dense.push_back(got[static_cast<size_t>(i) * ldy + j]);
+    CHECK(rel_error(dense, want) < 1e-5);
+  }
+  SUBCASE("input gradient (bf16) and weight gradient (fp32)") {
+    DeviceBuffer<bf16> dx(static_cast<size_t>(M) * K);
+    DeviceBuffer<float> dW(static_cast<size_t>(N) * K);
+    gemm.linear_backward_input(ddy.get(), dW_in.get(), dx.get(), M, N, K, 0);
+    gemm.linear_backward_weight(ddy.get(), dx_in.get(), dW.get(), M, N, K, 0);
+    CHECK(rel_error(to_f64(dx.download()), dx_ref) < 5e-3);
+    CHECK(rel_error(to_f64(dW.download()), dW_ref) < 1e-5);
+  }
+  CHECK(gemm.plans_cached() >= 1);
+}
+
+namespace {
+ViTConfig small_config() {
+  ViTConfig c;
+  c.name = "test";
+  c.img = 32; c.patch = 8; c.channels = 3; c.classes = 10;
+  c.dim = 64; c.depth = 2; c.heads = 4; c.mlp_ratio = 4.0;
+  return c;
+}
+
+// Random weights in every tensor (LayerNorm too, so no gradient hides behind ones and zeros),
+// rounded to bf16 where the engine reads a bf16 copy, so both sides compute with equal weights.
+std::vector<double> random_params(const ParamLayout& layout, std::mt19937_64& rng) {
+  std::vector<double> p(layout.total(), 0.0);
+  std::normal_distribution<double> n01(0, 1);
+  for (const ParamTensor& t : layout.tensors()) {
+    const bool is_norm_w = t.name.find("norm") != std::string::npos && t.name.find("weight") != std::string::npos;
+    const double scale = t.name.find("weight") != std::string::npos && !is_norm_w ? 0.15 : 0.1;
+    for (size_t i = 0; i < t.numel; ++i) {
+      const double v = (is_norm_w ? 1.0 : 0.0) + scale * n01(rng);
+      p[t.offset + i] = v;
+    }
+  }
+  return round_bf16(p);
+}
+}  // namespace
+
+TEST_CASE("gpu: whole-model loss, logits and every gradient against the CPU reference") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  const ViTConfig cfg = small_config();
+  const int B = 4;
+  ModelArenas arenas;
+  ViT model(cfg, B, arenas);
+  arenas.commit();
+  const ParamLayout& layout = model.layout();
+  const auto params = random_params(layout, rng);
+  const auto images = round_f32(random_vec(rng, static_cast<size_t>(B) * 3 * 32 * 32, -2, 2));
+  std::vector<int> labels(B);
+  for (int b = 0; b < B; ++b) labels[b] = static_cast<int>(rng() % cfg.classes);
+
+  CUDA_CHECK(cudaMemcpy(model.params(), to_f32(params).data(), params.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemset(model.grads(), 0xFF, layout.total() * 4));  // poison: every gradient must be written
+  model.sync_bf16_params(0);
+  CUDA_CHECK(cudaMemcpy(model.images(), to_f32(images).data(), images.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(model.labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
+  Gemm gemm(32u << 20);
+  OpTimer timer(false);
+  model.forward(0, gemm, timer);
+  model.backward(0, gemm, timer);
+  CUDA_CHECK(cudaDeviceSynchronize());
+
+  const ref::ModelResult want = ref::model_forward_backward(cfg, layout, params, B, images, labels);
+  float loss = 0;
+  CUDA_CHECK(cudaMemcpy(&loss, model.loss(), 4, cudaMemcpyDeviceToHost));
+  MESSAGE("loss: engine " << loss << ", reference " << want.loss);
+  CHECK(std::abs(loss - want.loss) / want.loss < 1e-2);
+  std::vector<float> logits_pad(static_cast<size_t>(B) * model.logits_ld());
+  CUDA_CHECK(cudaMemcpy(logits_pad.data(), model.logits(), logits_pad.size() * 4, cudaMemcpyDeviceToHost));
+  std::vector<double> logits;
+  for (int b = 0; b < B; ++b)
+    for (int c = 0; c < cfg.classes; ++c) logits.push_back(logits_pad[static_cast<size_t>(b) * model.logits_ld() + c]);
+  CHECK(rel_error(logits, want.logits) < 2e-2);
+
+  // bf16 activations (as under autocast) put a few 1e-3 of relative error into every gradient;
+  // 5e-2 leaves room for the deepest ones while any real mistake lands far above it.
+  std::vector<float> grads(layout.total());
+  CUDA_CHECK(cudaMemcpy(grads.data(), model.grads(), grads.size() * 4, cudaMemcpyDeviceToHost));
+  double worst = 0;
+  std::string report;
+  for (const ParamTensor& t : layout.tensors()) {
+    const std::vector<double> got(grads.begin() + t.offset, grads.begin() + t.offset + t.numel);
+    const std::vector<double> ref_g(want.grads.begin() + t.offset, want.grads.begin() + t.offset + t.numel);
+    const double e = rel_error(got, ref_g);
+    worst = std::max(worst, e);
+    char line[128];
+    std::snprintf(line, sizeof line, "  %-28s rel err %.2e\n", t.name.c_str(), e);
+    report += line;
+    CAPTURE(t.name);
+    CHECK(e < 5e-2);
+  }
+  MESSAGE("gradient relative errors (engine bf16 vs float64 reference):\n" << report << "  worst " << worst);
+}
+
+TEST_CASE("gpu: training a small model on a fixed batch lowers the loss") {
+  SKIP_WITHOUT_GPU();
+  ViTConfig cfg = small_config();
+  const int B = 16;
+  ModelArenas arenas;
+  ViT model(cfg, B, arenas);
+  arenas.commit();
+  model.init_params(1, 0);
+  std::mt19937_64 rng(5);
+  const auto images = round_f32(random_vec(rng, static_cast<size_t>(B) * 3 * 32 * 32, -2, 2));
+  std::vector<int> labels(B);
+  for (int b = 0; b < B; ++b) labels[b] = b % cfg.classes;
+  CUDA_CHECK(cudaMemcpy(model.images(), to_f32(images).data(), images.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(model.labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
+  Gemm gemm(32u << 20);
+  OpTimer timer(false);
+  float first = 0, last = 0;
+  for (int step = 0; step < 40; ++step) {
+    model.forward(0, gemm, timer);
+    model.backward(0, gemm, timer);
+    sgd_momentum_step(model.params(), model.momentum(), model.grads(), model.params_bf16(), model.layout().total(),
+                      SgdHyper{0.05f, 0.9f, 0.0f, false}, step == 0, 0);
+    CUDA_CHECK(cudaMemcpy(step == 0 ? &first : &last, model.loss(), 4, cudaMemcpyDeviceToHost));
+  }
+  MESSAGE("loss on a fixed batch: step 1 " << first << ", step 40 " << last);
+  CHECK(std::isfinite(last));
+  CHECK(last < 0.25 * first);
+}

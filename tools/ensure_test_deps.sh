@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Makes sure the test tiers' build dependencies (Eigen, doctest: Debian packages) are present.
+set -euo pipefail
+missing=()
+[ -f /usr/include/eigen3/Eigen/Core ] || missing+=(libeigen3-dev)
+[ -f /usr/include/doctest/doctest.h ] || missing+=(doctest-dev)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+  echo "installing ${missing[*]} for the tests"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  exit 0
+fi
+echo "the tests need ${missing[*]}: run  sudo apt-get install ${missing[*]}" >&2
+exit 1

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The whole GPU round in one call on the device machine (binaries built beforehand):
+#   1. the GPU test tier (./vit_tests)
+#   2. the reference tier on a small config: engine vs timm (tools/timm_reference.py)
+#   3. the speed round: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh), then the
+#      engine's per-phase breakdown (--timing)
+#   4. the reference tier on ViT-H itself
+# Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
+# Usage: tools/gpu_round.sh [parts...]   (parts: tests ref_small bench timing ref_h; default all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_round}
+mkdir -p "$OUT"
+parts=${*:-tests ref_small bench timing ref_h}
+status=0
+run() {  # run NAME COMMAND...: tee the output into $OUT/NAME.log, remember a failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || status=1
+}
+SMALL="--img 32 --patch 8 --channels 3 --classes 10 --dim 64 --depth 2 --heads 4 --batch 8"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+for part in $parts; do
+  case $part in
+    tests) run tests ./vit_tests ;;
+    ref_small)
+      rm -rf /tmp/ref_small
+      run ref_small_dump ./vit_train $SMALL --lr 0.05 --steps 10 --dump-reference /tmp/ref_small
+      run ref_small python3 tools/timm_reference.py /tmp/ref_small ;;
+    bench) OUT=$OUT run bench tools/bench.sh ;;
+    timing) run timing ./vit_train --steps 15 --warmup 5 --timing ;;
+    ref_h)
+      rm -rf /tmp/ref_h
+      run ref_h_dump ./vit_train --steps 10 --dump-reference /tmp/ref_h
+      run ref_h python3 tools/timm_reference.py /tmp/ref_h ;;
+    *) echo "unknown part $part"; status=1 ;;
+  esac
+done
+exit $status
