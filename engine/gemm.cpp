@@ -48,8 +48,11 @@ const Gemm::Plan& Gemm::plan(const GemmShape& s) {
                                               sizeof(op_b_as_a)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_a_as_b,
                                               sizeof(op_a_as_b)));
-  if (s.with_bias) {
-    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  if (s.epilogue != Epilogue::None) {
+    // In cuBLASLt's column-major view our A is its B and our M its n: the bias gradient over
+    // our op(A)'s K is its BGRADB.
+    const cublasLtEpilogue_t epi =
+        s.epilogue == Epilogue::Bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_BGRADB;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                                 sizeof(epi)));
   }
@@ -83,7 +86,7 @@ const Gemm::Plan& Gemm::plan(const GemmShape& s) {
 
 void Gemm::run(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
                const void* bias, cudaStream_t stream) {
-  ENSURE(s.with_c == (C != nullptr) && s.with_bias == (bias != nullptr),
+  ENSURE(s.with_c == (C != nullptr) && (s.epilogue != Epilogue::None) == (bias != nullptr),
           "GEMM operands do not match its shape: " + describe(s));
   ENSURE(aligned16(A) && aligned16(B) && aligned16(D) && (!C || aligned16(C)),
           "GEMM operands must be 16-byte aligned: " + describe(s));
@@ -102,18 +105,19 @@ void Gemm::linear_forward(const void* x, const void* W, const void* bias, const 
                           void* y, DType y_type, int M, int N, int K, cudaStream_t stream,
                           int ldy) {
   const GemmShape s{M, N, K, false, true, K, K, ldy ? ldy : N, y_type, residual != nullptr,
-                    bias != nullptr};
+                    bias ? Epilogue::Bias : Epilogue::None};
   run(s, x, W, residual, y, bias, stream);
 }
 
 void Gemm::linear_backward_input(const void* dy, const void* W, void* dx, int M, int N, int K,
                                  cudaStream_t stream, int lddy) {
-  const GemmShape s{M, K, N, false, false, lddy ? lddy : N, K, K, DType::BF16, false, false};
+  const GemmShape s{M, K, N, false, false, lddy ? lddy : N, K, K, DType::BF16, false, Epilogue::None};
   run(s, dy, W, nullptr, dx, nullptr, stream);
 }
 
-void Gemm::linear_backward_weight(const void* dy, const void* x, float* dW, int M, int N, int K,
-                                  cudaStream_t stream, int lddy) {
-  const GemmShape s{N, K, M, true, false, lddy ? lddy : N, K, K, DType::F32, false, false};
-  run(s, dy, x, nullptr, dW, nullptr, stream);
+void Gemm::linear_backward_weight(const void* dy, const void* x, float* dW, float* db, int M, int N,
+                                  int K, cudaStream_t stream, int lddy) {
+  const GemmShape s{N, K, M, true, false, lddy ? lddy : N, K, K, DType::F32, false,
+                    db ? Epilogue::BiasGrad : Epilogue::None};
+  run(s, dy, x, nullptr, dW, db, stream);
 }

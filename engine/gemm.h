@@ -14,18 +14,24 @@
 
 enum class DType { BF16, F32 };
 
-// D[M, N] = op(A) * op(B) + (C if given) + (bias[N] if given), all row-major, fp32 accumulation.
+// What the epilogue adds to the product. Bias: D += bias[N] (bias in D's dtype). BiasGrad:
+// also writes bias[M] = sum over K of op(A), the bias gradient of a weight-gradient product
+// (fp32), so no separate pass over the output gradient is needed.
+enum class Epilogue { None, Bias, BiasGrad };
+
+// D[M, N] = op(A) * op(B) + (C if given) (+ the epilogue's), all row-major, fp32 accumulation.
 // op(A) is [M, K]: A stored [M, K] (trans_a false) or [K, M] (trans_a true); likewise op(B) is
 // [K, N]: B stored [K, N] or [N, K] (trans_b true). A and B are bf16; C and D share dtype and
-// leading dimension; bias has D's dtype.
+// leading dimension.
 struct GemmShape {
   int M, N, K;
   bool trans_a, trans_b;
   int lda, ldb, ldd;
   DType d_type;
-  bool with_c, with_bias;
+  bool with_c;
+  Epilogue epilogue;
   auto key() const {
-    return std::make_tuple(M, N, K, trans_a, trans_b, lda, ldb, ldd, d_type, with_c, with_bias);
+    return std::make_tuple(M, N, K, trans_a, trans_b, lda, ldb, ldd, d_type, with_c, epilogue);
   }
 };
 
@@ -36,8 +42,9 @@ class Gemm {
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
-  void run(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
-           const void* bias, cudaStream_t stream);
+  // bias: the epilogue's vector (read for Bias, written for BiasGrad), nullptr for None.
+  void run(const GemmShape& s, const void* A, const void* B, const void* C, void* D, const void* bias,
+           cudaStream_t stream);
 
   // The Linear layer's three products (PyTorch layout: W is [out, in]):
   // y[M, N] = x[M, K] W[N, K]^T (+ bias) (+ residual, same dtype and layout as y)
@@ -47,9 +54,10 @@ class Gemm {
   // dx[M, K] = dy[M, N] W[N, K]   (bf16 out)
   void linear_backward_input(const void* dy, const void* W, void* dx, int M, int N, int K,
                              cudaStream_t stream, int lddy = 0);
-  // dW[N, K] = dy[M, N]^T x[M, K] (fp32 out, overwritten)
-  void linear_backward_weight(const void* dy, const void* x, float* dW, int M, int N, int K,
-                              cudaStream_t stream, int lddy = 0);
+  // dW[N, K] = dy[M, N]^T x[M, K] (fp32 out, overwritten); with db, also db[N] = column sums
+  // of dy, fused into the same product.
+  void linear_backward_weight(const void* dy, const void* x, float* dW, float* db, int M, int N,
+                              int K, cudaStream_t stream, int lddy = 0);
 
   size_t plans_cached() const { return plans_.size(); }
 

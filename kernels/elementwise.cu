@@ -23,7 +23,9 @@ __global__ void gelu_forward_kernel(const Bf16x8* __restrict__ h, Bf16x8* __rest
   }
 }
 
-__global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict__ h, Bf16x8* dh, size_t n8) {
+template <bool kRecompute>
+__global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict__ h, Bf16x8* dh,
+                                     Bf16x8* __restrict__ a, size_t n8) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n8; i += size_t(gridDim.x) * blockDim.x) {
     float d[8], x[8];
     da[i].to_float(d);
@@ -31,6 +33,11 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
 #pragma unroll
     for (int j = 0; j < 8; ++j) d[j] *= gelu_grad(x[j]);
     dh[i] = Bf16x8::from_float(d);
+    if constexpr (kRecompute) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = gelu(x[j]);
+      a[i] = Bf16x8::from_float(x);
+    }
   }
 }
 
@@ -51,13 +58,14 @@ void gelu_forward(const bf16* h, bf16* a, size_t n, cudaStream_t stream) {
   LAUNCH_CHECK();
 }
 
-void gelu_backward(const bf16* da, const bf16* h, bf16* dh, size_t n, cudaStream_t stream) {
+void gelu_backward(const bf16* da, const bf16* h, bf16* dh, bf16* a, size_t n, cudaStream_t stream) {
   NvtxRange range("gelu_backward");
-  ENSURE(n % 8 == 0 && is_aligned16(da) && is_aligned16(h) && is_aligned16(dh),
-          "gelu_backward: n % 8 and 16-byte alignment");
-  gelu_backward_kernel<<<blocks_for(n / 8), kThreads, 0, stream>>>(
-      reinterpret_cast<const Bf16x8*>(da), reinterpret_cast<const Bf16x8*>(h),
-      reinterpret_cast<Bf16x8*>(dh), n / 8);
+  ENSURE(n % 8 == 0 && is_aligned16(da) && is_aligned16(h) && is_aligned16(dh) && is_aligned16(a),
+         "gelu_backward: n % 8 and 16-byte alignment");
+  const auto kernel = a ? gelu_backward_kernel<true> : gelu_backward_kernel<false>;
+  kernel<<<blocks_for(n / 8), kThreads, 0, stream>>>(reinterpret_cast<const Bf16x8*>(da),
+                                                      reinterpret_cast<const Bf16x8*>(h), reinterpret_cast<Bf16x8*>(dh),
+                                                      reinterpret_cast<Bf16x8*>(a), n / 8);
   LAUNCH_CHECK();
 }
 

@@ -47,7 +47,6 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a)
     s.add(&b.ln2_mean, M);
     s.add(&b.ln2_rstd, M);
     s.add(&b.fc1, M * H);
-    s.add(&b.gelu, M * H);
   }
   s.add(&lnf_, B * D);
   s.add(&lnf_mean_, B);
@@ -60,6 +59,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a)
   w.add(&dresid_, M * D);
   w.add(&dresid_bf16_, M * D);
   w.add(&dhidden_, M * H);
+  w.add(&gelu_, M * H);
   w.add(&dln_, M * D);
   w.add(&dattn_, M * D);
   w.add(&dqkv_, M * 3 * D);
@@ -67,10 +67,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a)
   w.add(&dlogits_, B * classes_ld_);
   w.add(&dfeat_, B * D);
   w.add(&dpatch_, B * P * D);
-  const size_t partial = std::max({colsum_partial_floats(M_, 3 * cfg.dim), colsum_partial_floats(M_, cfg.hidden()),
-                                   colsum_partial_floats(B_, T_ * cfg.dim), colsum_partial_floats(B_, cfg.classes),
-                                   colsum_partial_floats(B_ * cfg.patches(), cfg.dim),
-                                   layernorm_partial_floats(M_, cfg.dim)});
+  const size_t partial = std::max(colsum_partial_floats(B_, T_ * cfg.dim), layernorm_partial_floats(M_, cfg.dim));
   w.add(&partial_, partial);
 }
 
@@ -130,9 +127,9 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
       layernorm_forward(x_mid, D, p(w.norm2_w), p(w.norm2_b), a.ln2, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps, st); }
     { auto t = timer.op(OpKind::Gemm, st);
       gemm.linear_forward(a.ln2, pb(w.fc1_w), pb(w.fc1_b), nullptr, a.fc1, DType::BF16, M_, Hd, D, st); }
-    { auto t = timer.op(OpKind::Gelu, st); gelu_forward(a.fc1, a.gelu, static_cast<size_t>(M_) * Hd, st); }
+    { auto t = timer.op(OpKind::Gelu, st); gelu_forward(a.fc1, gelu_, static_cast<size_t>(M_) * Hd, st); }
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_forward(a.gelu, pb(w.fc2_w), p(w.fc2_b), x_mid, resid(2 * l + 2), DType::F32, M_, D, Hd, st); }
+      gemm.linear_forward(gelu_, pb(w.fc2_w), p(w.fc2_b), x_mid, resid(2 * l + 2), DType::F32, M_, D, Hd, st); }
   }
   {
     NvtxRange r("head and loss");
@@ -155,10 +152,9 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   {
     NvtxRange r("head backward");
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dlogits_, lnf_, g(layout_.head_w), B_, cfg_.classes, D, st, classes_ld_);
+      gemm.linear_backward_weight(dlogits_, lnf_, g(layout_.head_w), g(layout_.head_b), B_, cfg_.classes, D, st,
+                                  classes_ld_);
       gemm.linear_backward_input(dlogits_, pb(layout_.head_w), dfeat_, B_, cfg_.classes, D, st, classes_ld_); }
-    { auto t = timer.op(OpKind::BiasGrad, st);
-      colsum(dlogits_, B_, cfg_.classes, classes_ld_, g(layout_.head_b), partial_, st); }
     // The residual gradient is zero but on the class-token rows.
     CUDA_CHECK(cudaMemsetAsync(dresid_, 0, static_cast<size_t>(M_) * D * sizeof(float), st));
     CUDA_CHECK(cudaMemsetAsync(dresid_bf16_, 0, static_cast<size_t>(M_) * D * sizeof(bf16), st));
@@ -170,30 +166,27 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
     NvtxRange r(("block " + std::to_string(l) + " backward").c_str());
     const BlockParams& w = layout_.blocks[l];
     const BlockActs& a = acts_[l];
-    // MLP: dresid is the gradient of this block's output, and of fc2's output.
+    // MLP: dresid is the gradient of this block's output, and of fc2's output. The GELU output
+    // is recomputed in the pass that applies GELU's derivative (4 GiB less for ViT-H at batch 64).
+    { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dresid_bf16_, pb(w.fc2_w), dhidden_, M_, D, Hd, st); }
+    { auto t = timer.op(OpKind::Gelu, st);
+      gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, static_cast<size_t>(M_) * Hd, st); }
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dresid_bf16_, a.gelu, g(w.fc2_w), M_, D, Hd, st);
-      gemm.linear_backward_input(dresid_bf16_, pb(w.fc2_w), dhidden_, M_, D, Hd, st); }
-    { auto t = timer.op(OpKind::BiasGrad, st); colsum(dresid_, M_, D, D, g(w.fc2_b), partial_, st); }
-    { auto t = timer.op(OpKind::Gelu, st); gelu_backward(dhidden_, a.fc1, dhidden_, static_cast<size_t>(M_) * Hd, st); }
-    { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dhidden_, a.ln2, g(w.fc1_w), M_, Hd, D, st);
+      gemm.linear_backward_weight(dresid_bf16_, gelu_, g(w.fc2_w), g(w.fc2_b), M_, D, Hd, st);
+      gemm.linear_backward_weight(dhidden_, a.ln2, g(w.fc1_w), g(w.fc1_b), M_, Hd, D, st);
       gemm.linear_backward_input(dhidden_, pb(w.fc1_w), dln_, M_, Hd, D, st); }
-    { auto t = timer.op(OpKind::BiasGrad, st); colsum(dhidden_, M_, Hd, Hd, g(w.fc1_b), partial_, st); }
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dresid_bf16_,
                          g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
     // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dresid_bf16_, a.attn, g(w.proj_w), M_, D, D, st);
+      gemm.linear_backward_weight(dresid_bf16_, a.attn, g(w.proj_w), g(w.proj_b), M_, D, D, st);
       gemm.linear_backward_input(dresid_bf16_, pb(w.proj_w), dattn_, M_, D, D, st); }
-    { auto t = timer.op(OpKind::BiasGrad, st); colsum(dresid_, M_, D, D, g(w.proj_b), partial_, st); }
     { auto t = timer.op(OpKind::Attention, st);
       attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dqkv_, a.ln1, g(w.qkv_w), M_, 3 * D, D, st);
+      gemm.linear_backward_weight(dqkv_, a.ln1, g(w.qkv_w), g(w.qkv_b), M_, 3 * D, D, st);
       gemm.linear_backward_input(dqkv_, pb(w.qkv_w), dln_, M_, 3 * D, D, st); }
-    { auto t = timer.op(OpKind::BiasGrad, st); colsum(dqkv_, M_, 3 * D, 3 * D, g(w.qkv_b), partial_, st); }
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
                          g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }
@@ -202,15 +195,13 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
     NvtxRange r("patch_embed backward");
     // x[b, t] = (t == 0 ? cls : patch_out[b, t - 1]) + pos[t]: pos gets the batch sum of dresid,
     // cls its token-0 row.
-    { auto t = timer.op(OpKind::BiasGrad, st);
+    { auto t = timer.op(OpKind::Embed, st);
       colsum(dresid_, B_, T_ * D, T_ * D, g(layout_.pos_embed), partial_, st);
       CUDA_CHECK(cudaMemcpyAsync(g(layout_.cls_token), g(layout_.pos_embed), D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, st)); }
     { auto t = timer.op(OpKind::Embed, st); embed_backward(dresid_, dpatch_, B_, T_, D, st); }
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dpatch_, patches_, g(layout_.patch_w), BP, D, cfg_.patch_dim(), st); }
-    // The patch bias reaches every patch token: its gradient is the sum of pos's rows 1..T-1.
-    { auto t = timer.op(OpKind::BiasGrad, st);
-      colsum(g(layout_.pos_embed) + D, T_ - 1, D, D, g(layout_.patch_b), partial_, st); }
+      gemm.linear_backward_weight(dpatch_, patches_, g(layout_.patch_w), g(layout_.patch_b), BP, D,
+                                  cfg_.patch_dim(), st); }
   }
 }

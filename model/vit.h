@@ -70,7 +70,7 @@ class ViT {
  private:
   struct BlockActs {
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd, *lse;
-    bf16 *ln1, *qkv, *attn, *ln2, *fc1, *gelu;
+    bf16 *ln1, *qkv, *attn, *ln2, *fc1;  // fc1: the pre-GELU activation; GELU is recomputed
   };
   const float* p(int t) const { return params_ + layout_.at(t).offset; }
   const bf16* pb(int t) const { return params_bf16_ + layout_.at(t).offset; }
@@ -95,4 +95,5 @@ class ViT {
   // backward temporaries, reused block after block
   float *dresid_, *partial_, *delta_;
   bf16 *dresid_bf16_, *dhidden_, *dln_, *dattn_, *dqkv_, *dlogits_, *dfeat_, *dpatch_;
+  bf16* gelu_;  // the current block's GELU output, forward and (recomputed) backward
 };

@@ -78,6 +78,7 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(usage_error({"--profile-steps", "5:2"}).find("comes before") != std::string::npos);
   CHECK(usage_error({"--profile-steps", "1:99", "--steps", "10"}).find("past the last step") != std::string::npos);
   CHECK(usage_error({"--dim", "1288", "--heads", "8"}).find("head dim") != std::string::npos);
+  CHECK(usage_error({"--dim", "2048", "--heads", "16"}).find("above 1536") != std::string::npos);
 }
 
 TEST_CASE("model: ViT-H/16 has timm's 632,199,400 parameters in 392 tensors") {

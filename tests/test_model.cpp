@@ -24,9 +24,9 @@ TEST_CASE("gpu: GEMM entry point, the Linear layer's three products") {
   const auto bias = round_bf16(random_vec(rng, N));
   const auto resid = round_f32(random_vec(rng, static_cast<size_t>(M) * N));
   const auto dy = round_bf16(random_vec(rng, static_cast<size_t>(M) * N));
-  std::vector<double> y_ref, dx_ref, dW_ref(static_cast<size_t>(N) * K);
+  std::vector<double> y_ref, dx_ref, dW_ref(static_cast<size_t>(N) * K), db_ref(N);
   ref::linear_forward(M, N, K, x, W.data(), bias.data(), &y_ref);
-  ref::linear_backward(M, N, K, x, W.data(), dy, &dx_ref, dW_ref.data(), nullptr);
+  ref::linear_backward(M, N, K, x, W.data(), dy, &dx_ref, dW_ref.data(), db_ref.data());
   DeviceBuffer<bf16> dx_in(to_bf16(x)), dW_in(to_bf16(W)), dbias(to_bf16(bias)), ddy(to_bf16(dy));
   DeviceBuffer<float> dbias32(to_f32(bias)), dresid(to_f32(resid));
 
@@ -56,9 +56,15 @@ TEST_CASE("gpu: GEMM entry point, the Linear layer's three products") {
     DeviceBuffer<bf16> dx(static_cast<size_t>(M) * K);
     DeviceBuffer<float> dW(static_cast<size_t>(N) * K);
     gemm.linear_backward_input(ddy.get(), dW_in.get(), dx.get(), M, N, K, 0);
-    gemm.linear_backward_weight(ddy.get(), dx_in.get(), dW.get(), M, N, K, 0);
+    gemm.linear_backward_weight(ddy.get(), dx_in.get(), dW.get(), nullptr, M, N, K, 0);
     CHECK(rel_error(to_f64(dx.download()), dx_ref) < 5e-3);
     CHECK(rel_error(to_f64(dW.download()), dW_ref) < 1e-5);
+    // The bias gradient fused into the weight-gradient product.
+    DeviceBuffer<float> db(N);
+    dW.poison();
+    gemm.linear_backward_weight(ddy.get(), dx_in.get(), dW.get(), db.get(), M, N, K, 0);
+    CHECK(rel_error(to_f64(dW.download()), dW_ref) < 1e-5);
+    CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-5);
   }
   CHECK(gemm.plans_cached() >= 1);
 }
