@@ -68,8 +68,10 @@ __device__ __forceinline__ float4 load_bf16x4(const bf16* p) {
 }
 
 // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w; g += dx.
-// A warp per row, its dw and db partial sums in registers across the warp's rows, then one
-// shared-memory reduction per block and one partial row per block for a deterministic sum.
+// A warp per row in two sweeps: the first sums, the second (re-reading the row from L1) writes
+// g and accumulates dw, db in registers across the warp's rows. Keeping the row in registers
+// instead would cost 226 registers and half the occupancy. The block's partials are reduced in
+// shared memory and written as one partial row per block, summed deterministically after.
 template <int CHUNKS>
 __global__ void __launch_bounds__(kWarps * 32)
     layernorm_backward_kernel(const bf16* __restrict__ dy, const float* __restrict__ x, int row_stride,
@@ -87,37 +89,38 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int row = blockIdx.x * kRowsPerBlock + r;
     if (row >= M) break;
     const float mu = mean[row], rs = rstd[row];
-    float4 xh[CHUNKS], dxh[CHUNKS];
+    const float4* xr = reinterpret_cast<const float4*>(x + static_cast<size_t>(row) * row_stride);
+    const bf16* dyr = dy + static_cast<size_t>(row) * D;
+    const float4* w4 = reinterpret_cast<const float4*>(w);
     float s1 = 0, s2 = 0;
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
       const int i = lane + 32 * j;
       if (i >= D4) continue;
-      const float4 xv = reinterpret_cast<const float4*>(x + static_cast<size_t>(row) * row_stride)[i];
-      const float4 d = load_bf16x4(dy + static_cast<size_t>(row) * D + 4 * i);
-      const float4 wv = reinterpret_cast<const float4*>(w)[i];
-      xh[j] = make_float4((xv.x - mu) * rs, (xv.y - mu) * rs, (xv.z - mu) * rs, (xv.w - mu) * rs);
-      dxh[j] = make_float4(d.x * wv.x, d.y * wv.y, d.z * wv.z, d.w * wv.w);
-      s1 += dxh[j].x + dxh[j].y + dxh[j].z + dxh[j].w;
-      s2 += dxh[j].x * xh[j].x + dxh[j].y * xh[j].y + dxh[j].z * xh[j].z + dxh[j].w * xh[j].w;
-      dw[j].x += d.x * xh[j].x; dw[j].y += d.y * xh[j].y; dw[j].z += d.z * xh[j].z; dw[j].w += d.w * xh[j].w;
-      db[j].x += d.x; db[j].y += d.y; db[j].z += d.z; db[j].w += d.w;
+      const float4 xv = xr[i], d = load_bf16x4(dyr + 4 * i), wv = w4[i];
+      const float a = d.x * wv.x, b = d.y * wv.y, c = d.z * wv.z, e = d.w * wv.w;
+      s1 += a + b + c + e;
+      s2 += a * (xv.x - mu) + b * (xv.y - mu) + c * (xv.z - mu) + e * (xv.w - mu);
     }
-    const float m1 = warp_sum(s1) / D, m2 = warp_sum(s2) / D;
+    const float m1 = warp_sum(s1) / D, m2 = warp_sum(s2) * rs / D;
     float4* gr = reinterpret_cast<float4*>(g + static_cast<size_t>(row) * row_stride);
     uint2* gbr = reinterpret_cast<uint2*>(g_bf16 + static_cast<size_t>(row) * row_stride);
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
       const int i = lane + 32 * j;
       if (i >= D4) continue;
+      const float4 xv = xr[i], d = load_bf16x4(dyr + 4 * i), wv = w4[i];
+      const float4 xh = make_float4((xv.x - mu) * rs, (xv.y - mu) * rs, (xv.z - mu) * rs, (xv.w - mu) * rs);
       float4 gv = gr[i];
-      gv.x += rs * (dxh[j].x - m1 - xh[j].x * m2);
-      gv.y += rs * (dxh[j].y - m1 - xh[j].y * m2);
-      gv.z += rs * (dxh[j].z - m1 - xh[j].z * m2);
-      gv.w += rs * (dxh[j].w - m1 - xh[j].w * m2);
+      gv.x += rs * (d.x * wv.x - m1 - xh.x * m2);
+      gv.y += rs * (d.y * wv.y - m1 - xh.y * m2);
+      gv.z += rs * (d.z * wv.z - m1 - xh.z * m2);
+      gv.w += rs * (d.w * wv.w - m1 - xh.w * m2);
       gr[i] = gv;
       __nv_bfloat162 lo = __floats2bfloat162_rn(gv.x, gv.y), hi = __floats2bfloat162_rn(gv.z, gv.w);
       gbr[i] = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+      dw[j].x += d.x * xh.x; dw[j].y += d.y * xh.y; dw[j].z += d.z * xh.z; dw[j].w += d.w * xh.w;
+      db[j].x += d.x; db[j].y += d.y; db[j].z += d.z; db[j].w += d.w;
     }
   }
 #pragma unroll
