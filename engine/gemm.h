@@ -1,6 +1,8 @@
 // The one GEMM entry point: every matrix product of the engine goes through cuBLASLt here.
 // Plans (descriptors, layouts and the chosen algorithm) are cached per shape, so the step never
-// queries the heuristic; only the pointers change from call to call.
+// queries the heuristic; only the pointers change from call to call. With autotune, a shape's
+// first call also times cuBLASLt's candidate algorithms on its operands and keeps the fastest
+// (that first call synchronises; it falls in the warm-up steps).
 //
 // Matrices are described in the row-major terms the model uses; the cuBLASLt column-major
 // mapping lives in gemm.cpp alone.
@@ -37,7 +39,7 @@ struct GemmShape {
 
 class Gemm {
  public:
-  explicit Gemm(size_t workspace_bytes);
+  explicit Gemm(size_t workspace_bytes, bool autotune = true);
   ~Gemm();
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
@@ -67,10 +69,13 @@ class Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, cd = nullptr;
     cublasLtMatmulAlgo_t algo;
   };
-  const Plan& plan(const GemmShape& s);
+  const Plan& plan(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
+                   const void* bias, cudaStream_t stream);
+  static constexpr int kCandidates = 8, kTuneRepeats = 5;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_;
+  bool autotune_;
   std::map<decltype(GemmShape{}.key()), Plan> plans_;
 };

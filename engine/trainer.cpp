@@ -170,7 +170,7 @@ void Trainer::train() {
     if (step == opts_.profile_first) CUDA_CHECK(cudaProfilerStart());
     const int slot = step - window_start;
     {
-      NvtxRange range(("step " + std::to_string(step)).c_str());
+      NvtxRange range("step");
       CUDA_CHECK(cudaEventRecord(begin[slot], stream_));
       load_batch(step);
       forward_backward();

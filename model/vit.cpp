@@ -36,6 +36,10 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a)
   s.add(&patch_out_, B * P * D);
   s.add(&resid_, (2 * cfg.depth + 1) * M * D);
   acts_.resize(cfg.depth);
+  for (int l = 0; l < cfg.depth; ++l) {
+    nvtx_forward_.push_back("block " + std::to_string(l) + " forward");
+    nvtx_backward_.push_back("block " + std::to_string(l) + " backward");
+  }
   for (BlockActs& b : acts_) {
     s.add(&b.ln1, M * D);
     s.add(&b.ln1_mean, M);
@@ -111,7 +115,7 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
       embed_forward(patch_out_, p(layout_.cls_token), p(layout_.pos_embed), resid(0), B_, T_, D, st); }
   }
   for (int l = 0; l < cfg_.depth; ++l) {
-    NvtxRange r(("block " + std::to_string(l) + " forward").c_str());
+    NvtxRange r(nvtx_forward_[l].c_str());
     const BlockParams& w = layout_.blocks[l];
     const BlockActs& a = acts_[l];
     const float *x = resid(2 * l), *x_mid = resid(2 * l + 1);
@@ -163,7 +167,7 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
                          dresid_bf16_, g(layout_.norm_w), g(layout_.norm_b), partial_, B_, D, st); }
   }
   for (int l = cfg_.depth - 1; l >= 0; --l) {
-    NvtxRange r(("block " + std::to_string(l) + " backward").c_str());
+    NvtxRange r(nvtx_backward_[l].c_str());
     const BlockParams& w = layout_.blocks[l];
     const BlockActs& a = acts_[l];
     // MLP: dresid is the gradient of this block's output, and of fc2's output. The GELU output

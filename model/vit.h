@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "engine/arena.h"
@@ -90,6 +91,7 @@ class ViT {
   float* patch_out_;
   float* resid_;  // 2 * depth + 1 residual-stream states [M, D] fp32
   std::vector<BlockActs> acts_;
+  std::vector<std::string> nvtx_forward_, nvtx_backward_;  // "block i forward/backward", made once
   float *lnf_mean_, *lnf_rstd_, *logits_, *row_loss_, *loss_;
   bf16* lnf_;
   // backward temporaries, reused block after block
