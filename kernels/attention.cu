@@ -1,14 +1,23 @@
-// Fused attention on the tensor cores through WMMA (bf16 16x16x16 fragments, fp32 accumulators).
+// Fused attention, FlashAttention-2 style: register-resident tiles on mma.sync (m16n8k16, bf16 in,
+// fp32 accumulate), operands staged in shared memory by cp.async and read into fragments with
+// ldmatrix.
 //
-// Each block owns a 64-row tile of one (image, head) and holds the whole key (forward, dQ) or
-// query (dKdV) range of that (image, head) in shared memory, padded to Tp = T rounded up to 16.
-// Matrix products go fragment -> fp32 shared memory; the softmax and the elementwise gradient
-// steps run there, warp per row, and write bf16 operands for the next product. Padding rows of
-// every bf16 operand are zero-filled and padding score columns are forced to probability 0, so
-// nothing outside [0, T) contributes and no uninitialised shared memory is ever read.
+// Every kernel runs 4 warps per block on a 64-row tile of one (image, head): 64 queries (forward,
+// dQ) or 64 keys (dKdV), 16 rows per warp. The other side (keys, or queries for dKdV) streams
+// through shared memory in chunks of 64 rows, double-buffered, so shared memory does not depend
+// on T. A warp holds its 16-row slice of the scores (16 x 64, or 16 x kSub in the backward, see
+// Tuning) in fp32 registers, and the probabilities (or dS) go back into the tensor cores as bf16
+// A fragments straight from the accumulator layout. The backward is deterministic (no atomics):
+// dK and dV come from one kernel over key tiles, dQ from another over query tiles, each
+// recomputing the scores.
+//
+// Padding: staged rows at or past T are zero-filled (cp.async with source size 0), so every
+// product over them is finite; padding keys get probability 0 through an explicit mask (forward,
+// dQ) and padding queries through lse = +inf (dKdV). 16-row groups that lie wholly past T are not
+// computed at all: a warp whose 16 rows are all padding skips its work, and the last, partial
+// chunk skips its 16-column groups past T (a separate instantiation of the chunk code, so that
+// full chunks run without run-time guards).
 #include "kernels/attention.h"
-
-#include <mma.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,179 +30,247 @@
 #include "engine/nvtx.h"
 
 namespace {
-namespace wmma = nvcuda::wmma;
 using bf16 = __nv_bfloat16;
 
-constexpr int kTile = 64;  // query rows (forward, dQ) or key rows (dKdV) per block
-constexpr int kWarps = 8;
+constexpr int kTile = 64;   // rows per block and rows per streamed chunk
+constexpr int kWarps = 4;   // 16 rows each
 constexpr int kThreads = kWarps * 32;
-constexpr int kMaxT = 4096;  // far beyond what fits; only keeps the size arithmetic in range
+constexpr int kMaxT = 65536;  // no shared-memory bound; keeps every index comfortably in range
+constexpr float kLog2e = 1.4426950408889634f;
+
+constexpr int kDeltaThreads = 256;
 constexpr int kDeltaGroup = 16;  // lanes per (token, head) row in the delta kernel
 
-__host__ __device__ constexpr int round_up16(int x) { return (x + 15) / 16 * 16; }
+// ---------------------------------------------------------------------------------------------
+// Shared-memory geometry. A tile is kTile rows of hd bf16, each row padded by 8 elements
+// (16 bytes): the row stride is then an odd multiple of 16 bytes (hd is a multiple of 16), so the
+// eight 16-byte row segments one ldmatrix 8x8 matrix reads fall in distinct bank groups, and the
+// 4-byte accumulator stores of the epilogue are conflict-free too. A tile is 128 * (hd + 8) bytes,
+// a multiple of 128, so every tile starts 128-byte aligned.
 
-// Row strides in elements. bf16 rows are padded by 8 elements (16 bytes) and fp32 rows by 4, so
-// that successive rows start in different banks; both keep WMMA's ldm rules (a multiple of 8 for
-// 16-bit, of 4 for fp32 elements), and with hd and Tp multiples of 16 every 16x16 fragment
-// pointer stays 32-byte aligned.
-struct Strides {
-  int hd_ld;  // bf16 rows of hd elements: Q, K, V, dO
-  int p_ld;   // bf16 rows of Tp elements: P, dS
-  int s_ld;   // fp32 rows of max(Tp, hd) elements: S, dP, and the fp32 outputs that reuse them
-  __host__ __device__ Strides(int hd, int Tp)
-      : hd_ld(hd + 8), p_ld(Tp + 8), s_ld((Tp > hd ? Tp : hd) + 4) {}
-};
+__host__ __device__ constexpr int row_stride(int hd) { return hd + 8; }  // elements
+__host__ __device__ constexpr int tile_bytes(int hd) { return kTile * row_stride(hd) * 2; }
 
-// Hands out byte offsets into dynamic shared memory, each region 128-byte aligned. The same code
-// sizes the launch on the host and places the pointers on the device, so they cannot disagree.
-struct SmemCarver {
-  size_t bytes = 0;
-  __host__ __device__ size_t take(size_t n) {
-    const size_t at = bytes;
-    bytes += (n + 127) / 128 * 128;
-    return at;
-  }
-};
-
-struct ForwardSmem {
-  Strides ld;
-  size_t q, k, v, s, p, bytes;
-  __host__ __device__ ForwardSmem(int hd, int Tp) : ld(hd, Tp) {
-    SmemCarver c;
-    q = c.take(sizeof(bf16) * kTile * ld.hd_ld);
-    k = c.take(sizeof(bf16) * Tp * ld.hd_ld);
-    v = c.take(sizeof(bf16) * Tp * ld.hd_ld);
-    s = c.take(sizeof(float) * kTile * ld.s_ld);
-    p = c.take(sizeof(bf16) * kTile * ld.p_ld);
-    bytes = c.bytes;
-  }
-};
-
-struct DkdvSmem {
-  Strides ld;
-  size_t k, v, q, dout, lse, delta, s, p, bytes;
-  __host__ __device__ DkdvSmem(int hd, int Tp) : ld(hd, Tp) {
-    SmemCarver c;
-    k = c.take(sizeof(bf16) * kTile * ld.hd_ld);
-    v = c.take(sizeof(bf16) * kTile * ld.hd_ld);
-    q = c.take(sizeof(bf16) * Tp * ld.hd_ld);
-    dout = c.take(sizeof(bf16) * Tp * ld.hd_ld);
-    lse = c.take(sizeof(float) * Tp);
-    delta = c.take(sizeof(float) * Tp);
-    s = c.take(sizeof(float) * kTile * ld.s_ld);
-    p = c.take(sizeof(bf16) * kTile * ld.p_ld);
-    bytes = c.bytes;
-  }
-};
-
-struct DqSmem {
-  Strides ld;
-  size_t q, dout, k, v, s, p, bytes;
-  __host__ __device__ DqSmem(int hd, int Tp) : ld(hd, Tp) {
-    SmemCarver c;
-    q = c.take(sizeof(bf16) * kTile * ld.hd_ld);
-    dout = c.take(sizeof(bf16) * kTile * ld.hd_ld);
-    k = c.take(sizeof(bf16) * Tp * ld.hd_ld);
-    v = c.take(sizeof(bf16) * Tp * ld.hd_ld);
-    s = c.take(sizeof(float) * kTile * ld.s_ld);
-    p = c.take(sizeof(bf16) * kTile * ld.p_ld);
-    bytes = c.bytes;
-  }
-};
-
-// bf16 bits of (lo, hi) in one word, lo first: the memory order of two consecutive elements.
-__device__ uint32_t pack_bf16x2(float lo, float hi) {
-  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-         uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16;
+// Forward and dQ: [Q | K0 | V0 | K1 | V1] (forward) or [Q | dO | K0 | V0 | K1 | V1] (dQ).
+__host__ __device__ constexpr int forward_smem_bytes(int hd) { return 5 * tile_bytes(hd); }
+__host__ __device__ constexpr int dq_smem_bytes(int hd) { return 6 * tile_bytes(hd); }
+// dKdV: [K | V | Q0 | dO0 | Q1 | dO1 | lse[2][64] | delta[2][64]].
+__host__ __device__ constexpr int dkdv_smem_bytes(int hd) {
+  return 6 * tile_bytes(hd) + 2 * 2 * kTile * int(sizeof(float));
 }
 
-// The two bf16 of a word as floats (exact: a bf16 is the high half of a float).
-__device__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ float warp_max(float x) {
-  for (int off = 16; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  return x;
-}
-
-__device__ float warp_sum(float x) {
-  for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
-// dst[r][0, HD) = src row r for r < valid_rows, zeros for valid_rows <= r < nrows: padding rows
-// must be real zeros because they enter the matrix products (0 * garbage could be NaN).
+// Per-head-dim tuning, fixed by ptxas -v: the largest blocking that leaves every instantiation
+// without spills. kSub: the width of the column block (queries in dKdV, keys in dQ) a warp holds
+// in registers at once (S and dP are 16 x kSub fp32 each); above hd 96 the 16 x hd dK + dV (or
+// Q, dO and dQ) leave no room for 64. *MinBlocks: the blocks per SM asked of __launch_bounds__,
+// which caps registers at 65536 / (128 * blocks): 168 for 3, 255 for 2. The backward kernels need
+// the full 255 at every hd >= 64 once their products run unguarded (ptxas spills under 168).
 template <int HD>
-__device__ void load_rows(bf16* dst, int dst_ld, const bf16* __restrict__ src, size_t src_ld,
-                          int nrows, int valid_rows) {
-  constexpr int kChunks = HD / 8;  // 16-byte vectors per row
-  for (int i = threadIdx.x; i < nrows * kChunks; i += kThreads) {
-    const int r = i / kChunks;
-    const int c = i % kChunks * 8;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (r < valid_rows) v = *reinterpret_cast<const uint4*>(src + r * src_ld + c);
-    *reinterpret_cast<uint4*>(dst + r * dst_ld + c) = v;
-  }
+struct Tuning {
+  static constexpr int kFwdMinBlocks = HD <= 32 ? 4 : (HD <= 96 ? 3 : 2);
+  static constexpr int kDkdvSub = HD <= 96 ? 64 : (HD <= 112 ? 32 : 16);
+  static constexpr int kDkdvMinBlocks = 2;
+  static constexpr int kDqSub = HD <= 96 ? 64 : 32;
+  static constexpr int kDqMinBlocks = 2;
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers.
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// dst row r = bf16(mult * src[r][0, HD)) for r < nrows.
+// 16-byte global -> shared copy that bypasses L1; with valid == false nothing is read and the 16
+// destination bytes are zero-filled (source size 0). src must still be a valid address.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst),
+               "l"(__cvta_generic_to_global(src))
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8x8 b16 matrices; lane l supplies the address of row l % 8 of matrix l / 8. Without .trans
+// lane (g = l/4, t = l%4) receives, in register m, row g, columns 2t and 2t+1 of matrix m; with
+// .trans it receives rows 2t and 2t+1 of column g (i.e. the transposed matrix's row g).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a * b for one m16n8k16 tile, g = lane / 4, t = lane % 4:
+//   A (16x16, row-major), 4 regs of bf16x2: a0 (row g, k 2t..2t+1), a1 (row g+8, k 2t..2t+1),
+//                                           a2 (row g, k 2t+8..2t+9), a3 (row g+8, k 2t+8..2t+9)
+//   B (16x8, "col"), 2 regs of bf16x2:      b0 (k 2t..2t+1, col g), b1 (k 2t+8..2t+9, col g)
+//   C (16x8 fp32), 4 regs:                  c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8, same)
+// The lower 16 bits of a bf16x2 register hold the lower index.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// bf16x2 of (lo, hi), round to nearest: lo in the lower half (the lower index in memory and in
+// fragments).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// 2^x; ex2.approx maps -inf to +0, which the masking relies on.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Reductions over the 4 lanes of a quad (lanes 4g..4g+3 hold one accumulator row between them).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fragment loads from a padded row-major tile (row stride LD elements). Each returns the byte
+// offset, relative to the tile's address of element (r0, c0) of a 16x16 block, of the row
+// pointer that this lane hands to ldmatrix_x4; the four 8x8 matrices are noted as
+// (row range, column range) of that block.
+
+// Matrices (0-7, 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15): lanes 0-15 point at rows 0-15 of
+// column 0, lanes 16-31 at rows 0-15 of column 8.
+//  * ldmatrix_x4: the A fragment of the block read as A[row][k] (a0..a3 in order).
+//  * ldmatrix_x4_trans: B fragments of two n-tiles of a block stored as B[k][n] (k = row):
+//    r0, r1 = b0, b1 of n-tile 0 (columns 0-7), r2, r3 = b0, b1 of n-tile 1 (columns 8-15).
+template <int LD>
+__device__ __forceinline__ uint32_t lane_offset_a(int lane) {
+  return uint32_t(((lane & 15) * LD + (lane >> 4) * 8) * 2);
+}
+
+// Matrices (0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15).
+//  * ldmatrix_x4: B fragments of two n-tiles of a block stored as B^T, i.e. M[n][k] (n = row,
+//    e.g. a K tile in Q K^T): r0, r1 = b0, b1 of n-tile 0 (rows 0-7), r2, r3 of n-tile 1 (8-15).
+template <int LD>
+__device__ __forceinline__ uint32_t lane_offset_bt(int lane) {
+  return uint32_t((((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8) * 2);
+}
+
+// Byte offset of element (r, c) in a tile of row stride LD.
+template <int LD>
+__device__ __forceinline__ constexpr uint32_t at(int r, int c) {
+  return uint32_t((r * LD + c) * 2);
+}
+
+// The A fragment of a 16x16 block (k = 16 columns 16j..16j+15) from the fp32 accumulators of the
+// n-tiles 2j (lo) and 2j+1 (hi) of a 16-row product. The C layout (c0,c1: row g, cols 2t,2t+1;
+// c2,c3: row g+8) is exactly the A layout's (a0: row g, k 2t..; a1: row g+8, k 2t..; a2/a3 the
+// same at k + 8), so no data moves between lanes.
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4],
+                                         const float (&hi)[4]) {
+  a[0] = pack_bf16x2(lo[0], lo[1]);
+  a[1] = pack_bf16x2(lo[2], lo[3]);
+  a[2] = pack_bf16x2(hi[0], hi[1]);
+  a[3] = pack_bf16x2(hi[2], hi[3]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block-wide staging and warp-wide write-back.
+
+// cp.async rows [row0, row0 + 64) of a [T, HD] slice (row stride src_ld elements) into the tile
+// at dst; rows at or past T are zero-filled. 64 * HD / 8 16-byte vectors over 128 threads: HD/16
+// each.
 template <int HD>
-__device__ void store_rows(bf16* __restrict__ dst, size_t dst_ld, const float* src, int src_ld,
-                           int nrows, float mult) {
-  constexpr int kChunks = HD / 8;
-  for (int i = threadIdx.x; i < nrows * kChunks; i += kThreads) {
-    const int r = i / kChunks;
-    const int c = i % kChunks * 8;
-    const float4 lo = *reinterpret_cast<const float4*>(src + r * src_ld + c);
-    const float4 hi = *reinterpret_cast<const float4*>(src + r * src_ld + c + 4);
-    // __stwb is the ordinary write-back store, spelled so that it stays one 16-byte store: the
-    // plain assignment was split into four 4-byte stores in the dQ kernel.
-    const uint4 packed =
-        make_uint4(pack_bf16x2(mult * lo.x, mult * lo.y), pack_bf16x2(mult * lo.z, mult * lo.w),
-                   pack_bf16x2(mult * hi.x, mult * hi.y), pack_bf16x2(mult * hi.z, mult * hi.w));
-    __stwb(reinterpret_cast<uint4*>(dst + r * dst_ld + c), packed);
+__device__ __forceinline__ void load_tile_async(uint32_t dst, const bf16* src, size_t src_ld,
+                                                int row0, int T) {
+  constexpr int kVecs = HD / 8;  // per row
+#pragma unroll
+  for (int i = 0; i < HD / 16; ++i) {
+    const int idx = i * kThreads + int(threadIdx.x);
+    const int r = idx / kVecs;
+    const int v = idx % kVecs;
+    const int row = row0 + r;
+    const bool valid = row < T;
+    const bf16* p = valid ? src + size_t(row) * src_ld + v * 8 : src;
+    cp_async_16(dst + at<HD + 8>(r, v * 8), p, valid);
   }
 }
 
-// C[16*m_tiles, 16*n_tiles] (fp32, shared) = A[., 16*k_tiles] (bf16 row-major) * Bmat, the 16x16
-// output tiles spread over the warps. Bmat is [16*k_tiles, 16*n_tiles]: with LayoutB row_major
-// element (k, n) is at B[k * ldb + n]; with col_major at B[n * ldb + k], i.e. B holds Bmat's
-// transpose row-major, which is how "times K^T" reads the row-major K tile directly.
-template <typename LayoutB>
-__device__ void mma_tiles(const bf16* A, int lda, const bf16* B, int ldb, float* C, int ldc,
-                          int m_tiles, int n_tiles, int k_tiles) {
-  constexpr bool kRowMajorB = std::is_same<LayoutB, wmma::row_major>::value;
-  for (int t = threadIdx.x / 32; t < m_tiles * n_tiles; t += kWarps) {
-    const int mt = t / n_tiles;
-    const int nt = t % n_tiles;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, LayoutB> b;
-      wmma::load_matrix_sync(a, A + mt * 16 * lda + kt * 16, lda);
-      const bf16* b_tile = kRowMajorB ? B + kt * 16 * ldb + nt * 16 : B + nt * 16 * ldb + kt * 16;
-      wmma::load_matrix_sync(b, b_tile, ldb);
-      wmma::mma_sync(acc, a, b, acc);
+// A warp's 16 x HD fp32 accumulator, rows g times mult_lo and rows g+8 times mult_hi, rounded to
+// bf16 into rows [0, 16) of its own staging rows in shared memory (stage: element (0, 0)), then
+// rows [0, valid_rows) copied out with 16-byte stores to dst (row stride dst_ld elements). The
+// staging rows must be read by no other warp.
+template <int HD>
+__device__ __forceinline__ void store_warp_tile(unsigned char* stage, const float (&acc)[HD / 8][4],
+                                                float mult_lo, float mult_hi, bf16* dst,
+                                                size_t dst_ld, int valid_rows, int lane) {
+  constexpr int LD = HD + 8;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    *reinterpret_cast<uint32_t*>(stage + at<LD>(g, n * 8 + 2 * t)) =
+        pack_bf16x2(acc[n][0] * mult_lo, acc[n][1] * mult_lo);
+    *reinterpret_cast<uint32_t*>(stage + at<LD>(g + 8, n * 8 + 2 * t)) =
+        pack_bf16x2(acc[n][2] * mult_hi, acc[n][3] * mult_hi);
+  }
+  __syncwarp();
+  constexpr int kVecs = HD / 8;
+#pragma unroll
+  for (int i = 0; i < HD / 16; ++i) {  // 16 * kVecs vectors over 32 lanes
+    const int idx = i * 32 + lane;
+    const int r = idx / kVecs;
+    const int v = idx % kVecs;
+    if (r < valid_rows) {
+      const uint4 val = *reinterpret_cast<const uint4*>(stage + at<LD>(r, v * 8));
+      __stwb(reinterpret_cast<uint4*>(dst + size_t(r) * dst_ld + v * 8), val);
     }
-    wmma::store_matrix_sync(C + mt * 16 * ldc + nt * 16, acc, ldc, wmma::mem_row_major);
   }
 }
 
-// Grid (ceil(T/64), H, B). Rows handled are [0, rows_pad): the tile's valid rows rounded up to 16,
-// so the last, partial tile does no work on 16-row blocks that are pure padding.
+// ---------------------------------------------------------------------------------------------
+// Forward. Grid (ceil(T/64), H, B). Warp w owns queries q0 + 16w .. q0 + 16w + 15: Q fragments in
+// registers, the running max m (of the unscaled scores), the running sum l (this lane's columns
+// only; the quad's partial sums are added at the end) and O, all per row, for rows g and g+8.
 template <int HD>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, Tuning<HD>::kFwdMinBlocks)
     attention_forward_kernel(const bf16* __restrict__ qkv, bf16* __restrict__ out,
                              float* __restrict__ lse, int T, int H, float scale) {
+  constexpr int LD = HD + 8;
+  constexpr int kTileBytes = tile_bytes(HD);
   extern __shared__ __align__(128) unsigned char smem[];
-  const int Tp = round_up16(T);
-  const ForwardSmem L(HD, Tp);
-  bf16* Qs = reinterpret_cast<bf16*>(smem + L.q);
-  bf16* Ks = reinterpret_cast<bf16*>(smem + L.k);
-  bf16* Vs = reinterpret_cast<bf16*>(smem + L.v);
-  float* Ss = reinterpret_cast<float*>(smem + L.s);
-  bf16* Ps = reinterpret_cast<bf16*>(smem + L.p);
+  const uint32_t s_q = smem_addr(smem);
+  const auto s_k = [&](int buf) { return s_q + uint32_t((1 + 2 * buf) * kTileBytes); };
+  const auto s_v = [&](int buf) { return s_q + uint32_t((2 + 2 * buf) * kTileBytes); };
 
   const int q0 = blockIdx.x * kTile;
   const int h = blockIdx.y;
@@ -201,68 +278,179 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int D = H * HD;
   const size_t qkv_ld = 3 * size_t(D);
   const bf16* q_src = qkv + size_t(b) * T * qkv_ld + h * HD;  // token 0 of this (image, head)
-  const int rows = min(kTile, T - q0);
-  const int rows_pad = round_up16(rows);
+  const bf16* k_src = q_src + D;
+  const bf16* v_src = q_src + 2 * D;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int t = lane & 3;
+  const int w_row0 = q0 + warp * 16;  // first query of this warp
+  const bool live = w_row0 < T;       // warp-uniform
+  const uint32_t off_a = lane_offset_a<LD>(lane);
+  const uint32_t off_bt = lane_offset_bt<LD>(lane);
+  const float scale_log2 = scale * kLog2e;
+  const int n_chunks = (T + kTile - 1) / kTile;
 
-  load_rows<HD>(Qs, L.ld.hd_ld, q_src + q0 * qkv_ld, qkv_ld, rows_pad, rows);
-  load_rows<HD>(Ks, L.ld.hd_ld, q_src + D, qkv_ld, Tp, T);
-  load_rows<HD>(Vs, L.ld.hd_ld, q_src + 2 * D, qkv_ld, Tp, T);
-  __syncthreads();
+  load_tile_async<HD>(s_q, q_src, qkv_ld, q0, T);
+  load_tile_async<HD>(s_k(0), k_src, qkv_ld, 0, T);
+  load_tile_async<HD>(s_v(0), v_src, qkv_ld, 0, T);
+  cp_async_commit();
 
-  // S = Q K^T (unscaled).
-  mma_tiles<wmma::col_major>(Qs, L.ld.hd_ld, Ks, L.ld.hd_ld, Ss, L.ld.s_ld, rows_pad / 16, Tp / 16,
-                             HD / 16);
-  __syncthreads();
+  uint32_t qf[HD / 16][4];  // A fragments of the warp's 16 x HD query block
+  float o[HD / 8][4];       // O accumulator, n-tiles of 8 columns
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m_lo = -INFINITY, m_hi = -INFINITY;  // rows g, g+8
+  float l_lo = 0.0f, l_hi = 0.0f;
 
-  // P = exp(scale * S - lse), normalised, over the T real keys; padding keys and padding query
-  // rows get P = 0. scale > 0, so the row maximum of S gives that of scale * S.
-  float* lse_rows = lse + (size_t(b) * H + h) * T + q0;
-  for (int r = warp; r < rows_pad; r += kWarps) {
-    const float* s_row = Ss + r * L.ld.s_ld;
-    bf16* p_row = Ps + r * L.ld.p_ld;
-    if (r >= rows) {
-      for (int j = lane; j < Tp; j += 32) p_row[j] = __float2bfloat16(0.0f);
-      continue;
+  // One chunk of 64 keys (staged in buffer buf), kv_valid of them real. kFull: all 64 are, so
+  // no group is skipped and nothing is masked; the other instantiation runs only for the last,
+  // partial chunk, so the common path has no run-time guards between its matrix products.
+  const auto chunk = [&](int buf, int kv_valid, auto full) {
+    constexpr bool kFull = decltype(full)::value;
+    const int groups = kFull ? 4 : (kv_valid + 15) / 16;  // 16-key groups with any real key
+
+    // S = Q K^T (unscaled), 16 x 64: n-tile n holds keys 8n..8n+7 of the chunk. B fragments
+    // from K stored [key][hd] = B^T.
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (kFull || j < groups) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, s_k(buf) + at<LD>(j * 16, kk * 16) + off_bt);
+          mma_bf16(s[2 * j], qf[kk], kb[0], kb[1]);
+          mma_bf16(s[2 * j + 1], qf[kk], kb[2], kb[3]);
+        }
+      }
     }
-    float m = -INFINITY;
-    for (int j = lane; j < T; j += 32) m = fmaxf(m, s_row[j]);
-    m = warp_max(m);
-    float sum = 0.0f;
-    for (int j = lane; j < T; j += 32) sum += expf((s_row[j] - m) * scale);
-    sum = warp_sum(sum);
-    const float row_lse = m * scale + logf(sum);
-    for (int j = lane; j < Tp; j += 32)
-      p_row[j] = __float2bfloat16(j < T ? expf(fmaf(s_row[j], scale, -row_lse)) : 0.0f);
-    if (lane == 0) lse_rows[r] = row_lse;
+    if (!kFull) {  // keys at or past T (skipped groups included) get score -inf: probability 0
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const int col = n * 8 + 2 * t;
+        if (col >= kv_valid) s[n][0] = s[n][2] = -INFINITY;
+        if (col + 1 >= kv_valid) s[n][1] = s[n][3] = -INFINITY;
+      }
+    }
+
+    // Online softmax. Every chunk has a real key, so the new maxima are finite; the correction
+    // of the first chunk is exp2(-inf) = 0, against O = l = 0.
+    float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      mx_lo = fmaxf(mx_lo, fmaxf(s[n][0], s[n][1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[n][2], s[n][3]));
+    }
+    mx_lo = quad_max(mx_lo);
+    mx_hi = quad_max(mx_hi);
+    const float corr_lo = exp2_approx((m_lo - mx_lo) * scale_log2);
+    const float corr_hi = exp2_approx((m_hi - mx_hi) * scale_log2);
+    m_lo = mx_lo;
+    m_hi = mx_hi;
+    const float neg_lo = -mx_lo * scale_log2;
+    const float neg_hi = -mx_hi * scale_log2;
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      s[n][0] = exp2_approx(fmaf(s[n][0], scale_log2, neg_lo));
+      s[n][1] = exp2_approx(fmaf(s[n][1], scale_log2, neg_lo));
+      s[n][2] = exp2_approx(fmaf(s[n][2], scale_log2, neg_hi));
+      s[n][3] = exp2_approx(fmaf(s[n][3], scale_log2, neg_hi));
+      sum_lo += s[n][0] + s[n][1];
+      sum_hi += s[n][2] + s[n][3];
+    }
+    l_lo = fmaf(l_lo, corr_lo, sum_lo);
+    l_hi = fmaf(l_hi, corr_hi, sum_hi);
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      o[n][0] *= corr_lo;
+      o[n][1] *= corr_lo;
+      o[n][2] *= corr_hi;
+      o[n][3] *= corr_hi;
+    }
+
+    // O += P V: P's 16-key groups as A fragments from the registers, V (stored [key][hd] =
+    // B[k][n]) through ldmatrix .trans, two 8-column n-tiles of O per load.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (kFull || j < groups) {
+        uint32_t pa[4];
+        acc_to_a(pa, s[2 * j], s[2 * j + 1]);
+#pragma unroll
+        for (int nn = 0; nn < HD / 16; ++nn) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, s_v(buf) + at<LD>(j * 16, nn * 16) + off_a);
+          mma_bf16(o[2 * nn], pa, vb[0], vb[1]);
+          mma_bf16(o[2 * nn + 1], pa, vb[2], vb[3]);
+        }
+      }
+    }
+  };
+
+  for (int c = 0; c < n_chunks; ++c) {
+    const int buf = c & 1;
+    if (c + 1 < n_chunks) {  // prefetch the next chunk into the buffer freed at the end of c-1
+      load_tile_async<HD>(s_k(buf ^ 1), k_src, qkv_ld, (c + 1) * kTile, T);
+      load_tile_async<HD>(s_v(buf ^ 1), v_src, qkv_ld, (c + 1) * kTile, T);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    if (live) {
+      if (c == 0) {
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk)
+          ldmatrix_x4(qf[kk], s_q + at<LD>(warp * 16, kk * 16) + off_a);
+      }
+      const int kv_valid = min(kTile, T - c * kTile);  // keys of this chunk that exist, >= 1
+      if (kv_valid == kTile)
+        chunk(buf, kv_valid, std::true_type{});
+      else
+        chunk(buf, kv_valid, std::false_type{});
+    }
+    __syncthreads();  // the buffer of chunk c is overwritten by the prefetch of iteration c+1
   }
-  __syncthreads();
 
-  // O = P V, into the score buffer (its last reader was the softmax above).
-  mma_tiles<wmma::row_major>(Ps, L.ld.p_ld, Vs, L.ld.hd_ld, Ss, L.ld.s_ld, rows_pad / 16, HD / 16,
-                             Tp / 16);
-  __syncthreads();
-
-  store_rows<HD>(out + (size_t(b) * T + q0) * D + h * HD, D, Ss, L.ld.s_ld, rows, 1.0f);
+  if (live) {
+    l_lo = quad_sum(l_lo);
+    l_hi = quad_sum(l_hi);
+    const int g = lane >> 2;
+    float* lse_bh = lse + (size_t(b) * H + h) * T;
+    if (t == 0) {
+      if (w_row0 + g < T) lse_bh[w_row0 + g] = m_lo * scale + logf(l_lo);
+      if (w_row0 + g + 8 < T) lse_bh[w_row0 + g + 8] = m_hi * scale + logf(l_hi);
+    }
+    // Stage through the warp's own Q rows (their fragments are in registers already).
+    store_warp_tile<HD>(smem + at<LD>(warp * 16, 0), o, 1.0f / l_lo, 1.0f / l_hi,
+                        out + (size_t(b) * T + w_row0) * D + h * HD, size_t(D),
+                        min(16, T - w_row0), lane);
+  }
 }
 
 // delta[b, h, t] = sum_c dout[b*T + t, h*hd + c] * out[b*T + t, h*hd + c]. A group of 16 lanes per
 // (token, head), one 8-element vector each (hd <= 128), then a shuffle reduction that stays inside
 // the group (xor offsets below 16). No early exit: every lane of the warp joins the shuffles.
-__global__ void __launch_bounds__(kThreads)
+__device__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+__global__ void __launch_bounds__(kDeltaThreads)
     attention_delta_kernel(const bf16* __restrict__ out, const bf16* __restrict__ dout,
                            float* __restrict__ delta, int T, int H, int hd, long long pairs) {
-  const long long pair = static_cast<long long>(blockIdx.x) * (kThreads / kDeltaGroup) +
+  const long long pair = static_cast<long long>(blockIdx.x) * (kDeltaThreads / kDeltaGroup) +
                          threadIdx.x / kDeltaGroup;
   const int g = threadIdx.x % kDeltaGroup;
   const long long row = pair / H;  // b * T + t
   const int h = static_cast<int>(pair % H);
   float acc = 0.0f;
   if (pair < pairs && g < hd / 8) {
-    const size_t at = size_t(row) * H * hd + size_t(h) * hd + g * 8;
-    const uint4 o = *reinterpret_cast<const uint4*>(out + at);
-    const uint4 d = *reinterpret_cast<const uint4*>(dout + at);
+    const size_t idx = size_t(row) * H * hd + size_t(h) * hd + g * 8;
+    const uint4 o = *reinterpret_cast<const uint4*>(out + idx);
+    const uint4 d = *reinterpret_cast<const uint4*>(dout + idx);
     for (const uint2 w : {uint2{o.x, d.x}, uint2{o.y, d.y}, uint2{o.z, d.z}, uint2{o.w, d.w}}) {
       acc = fmaf(bf16_lo(w.x), bf16_lo(w.y), acc);
       acc = fmaf(bf16_hi(w.x), bf16_hi(w.y), acc);
@@ -276,25 +464,28 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Grid (ceil(T/64), H, B): one 64-key tile against all queries of the (image, head). Works in the
-// transposed orientation (rows = keys, columns = queries) so that dV = P^T dO and dK = dS^T Q are
-// plain row-major products. Rows: [0, rows_pad) keys; columns: [0, Tp) queries.
+// ---------------------------------------------------------------------------------------------
+// dK, dV. Grid (ceil(T/64), H, B): one 64-key tile against all queries, streamed in chunks of 64.
+// Transposed orientation (rows = keys, columns = queries), so that P^T and dS^T come out of the
+// accumulators as A fragments for dV = P^T dO and dK = dS^T Q. Warp w owns keys k0 + 16w .. +15
+// and accumulates dK, dV (16 x HD fp32 each) in registers.
 template <int HD>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
     attention_dkdv_kernel(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
                           const float* __restrict__ lse, const float* __restrict__ delta,
                           bf16* __restrict__ dqkv, int T, int H, float scale) {
+  constexpr int LD = HD + 8;
+  constexpr int kTileBytes = tile_bytes(HD);
+  constexpr int kSub = Tuning<HD>::kDkdvSub;  // queries per register block
+  constexpr int kGroups = kSub / 16;
+  constexpr int kN = kSub / 8;  // n-tiles of S^T, dP^T
   extern __shared__ __align__(128) unsigned char smem[];
-  const int Tp = round_up16(T);
-  const DkdvSmem L(HD, Tp);
-  bf16* Ks = reinterpret_cast<bf16*>(smem + L.k);
-  bf16* Vs = reinterpret_cast<bf16*>(smem + L.v);
-  bf16* Qs = reinterpret_cast<bf16*>(smem + L.q);
-  bf16* dOs = reinterpret_cast<bf16*>(smem + L.dout);
-  float* lse_s = reinterpret_cast<float*>(smem + L.lse);
-  float* delta_s = reinterpret_cast<float*>(smem + L.delta);
-  float* Ss = reinterpret_cast<float*>(smem + L.s);
-  bf16* Ps = reinterpret_cast<bf16*>(smem + L.p);
+  const uint32_t s_k = smem_addr(smem);
+  const uint32_t s_v = s_k + kTileBytes;
+  const auto s_q = [&](int buf) { return s_k + uint32_t((2 + 2 * buf) * kTileBytes); };
+  const auto s_do = [&](int buf) { return s_k + uint32_t((3 + 2 * buf) * kTileBytes); };
+  float* lse_s = reinterpret_cast<float*>(smem + 6 * kTileBytes);  // [2][64], natural-log lse
+  float* delta_s = lse_s + 2 * kTile;                              // [2][64]
 
   const int k0 = blockIdx.x * kTile;
   const int h = blockIdx.y;
@@ -305,83 +496,201 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bf16* do_src = dout + size_t(b) * T * D + h * HD;
   const float* lse_bh = lse + (size_t(b) * H + h) * T;
   const float* delta_bh = delta + (size_t(b) * H + h) * T;
-  const int rows = min(kTile, T - k0);
-  const int rows_pad = round_up16(rows);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int t = lane & 3;
+  const int w_row0 = k0 + warp * 16;  // first key of this warp
+  const bool live = w_row0 < T;
+  const uint32_t off_a = lane_offset_a<LD>(lane);
+  const uint32_t off_bt = lane_offset_bt<LD>(lane);
+  const float scale_log2 = scale * kLog2e;
+  const int n_chunks = (T + kTile - 1) / kTile;
 
-  load_rows<HD>(Ks, L.ld.hd_ld, q_src + D + k0 * qkv_ld, qkv_ld, rows_pad, rows);
-  load_rows<HD>(Vs, L.ld.hd_ld, q_src + 2 * D + k0 * qkv_ld, qkv_ld, rows_pad, rows);
-  load_rows<HD>(Qs, L.ld.hd_ld, q_src, qkv_ld, Tp, T);
-  load_rows<HD>(dOs, L.ld.hd_ld, do_src, D, Tp, T);
-  for (int j = threadIdx.x; j < Tp; j += kThreads) {
-    lse_s[j] = j < T ? lse_bh[j] : 0.0f;
-    delta_s[j] = j < T ? delta_bh[j] : 0.0f;
-  }
-  __syncthreads();
+  // Chunk c of the queries: Q and dO rows (zero past T), lse (+inf past T, so that P^T = 0
+  // there) and delta (0 past T). Warps 0-1 stage lse, warps 2-3 delta.
+  const auto load_chunk = [&](int c, int buf) {
+    load_tile_async<HD>(s_q(buf), q_src, qkv_ld, c * kTile, T);
+    load_tile_async<HD>(s_do(buf), do_src, size_t(D), c * kTile, T);
+    const int j = threadIdx.x % kTile;
+    const int q = c * kTile + j;
+    const bool is_lse = threadIdx.x < kTile;
+    float* dst = (is_lse ? lse_s : delta_s) + buf * kTile + j;
+    if (q < T)
+      cp_async_4(smem_addr(dst), (is_lse ? lse_bh : delta_bh) + q);
+    else
+      *dst = is_lse ? INFINITY : 0.0f;
+  };
 
-  // S^T = K Q^T (unscaled).
-  mma_tiles<wmma::col_major>(Ks, L.ld.hd_ld, Qs, L.ld.hd_ld, Ss, L.ld.s_ld, rows_pad / 16, Tp / 16,
-                             HD / 16);
-  __syncthreads();
+  load_tile_async<HD>(s_k, q_src + D, qkv_ld, k0, T);
+  load_tile_async<HD>(s_v, q_src + 2 * D, qkv_ld, k0, T);
+  load_chunk(0, 0);
+  cp_async_commit();
 
-  // P^T[i][j] = exp(scale * S^T[i][j] - lse[j]); 0 for padding keys i and padding queries j.
-  for (int r = warp; r < rows_pad; r += kWarps) {
-    const float* s_row = Ss + r * L.ld.s_ld;
-    bf16* p_row = Ps + r * L.ld.p_ld;
-    for (int j = lane; j < Tp; j += 32) {
-      const bool live = r < rows && j < T;
-      p_row[j] = __float2bfloat16(live ? expf(fmaf(s_row[j], scale, -lse_s[j])) : 0.0f);
+  float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+
+  // One register block: queries [c0, c0 + kSub) of the chunk in buffer buf, groups of its 16-query
+  // groups holding any real query. kFull: the whole chunk is real (no guards between products);
+  // the other instantiation runs only for the last, partial chunk.
+  const auto sub_block = [&](int buf, int c0, int groups, auto full) {
+    constexpr bool kFull = decltype(full)::value;
+    const float* lse_c = lse_s + buf * kTile + c0;
+    const float* delta_c = delta_s + buf * kTile + c0;
+
+    // S^T = K Q^T (unscaled), 16 keys x kSub queries: A = K rows, B from Q stored
+    // [query][hd] (= B^T).
+    float s[kN][4];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t ka[4];
+      ldmatrix_x4(ka, s_k + at<LD>(warp * 16, kk * 16) + off_a);
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j) {
+        if (kFull || j < groups) {
+          uint32_t qb[4];
+          ldmatrix_x4(qb, s_q(buf) + at<LD>(c0 + j * 16, kk * 16) + off_bt);
+          mma_bf16(s[2 * j], ka, qb[0], qb[1]);
+          mma_bf16(s[2 * j + 1], ka, qb[2], qb[3]);
+        }
+      }
     }
+
+    // P^T = exp(scale S^T - lse[query]); columns 2t, 2t+1 of n-tile n are queries
+    // c0 + 8n + 2t, +1. Padding queries have lse = +inf, hence P^T = 0 (and skipped groups
+    // hold S^T = 0, so they too give 0).
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_c + n * 8 + 2 * t);
+      const float nl0 = -l2.x * kLog2e;
+      const float nl1 = -l2.y * kLog2e;
+      s[n][0] = exp2_approx(fmaf(s[n][0], scale_log2, nl0));
+      s[n][1] = exp2_approx(fmaf(s[n][1], scale_log2, nl1));
+      s[n][2] = exp2_approx(fmaf(s[n][2], scale_log2, nl0));
+      s[n][3] = exp2_approx(fmaf(s[n][3], scale_log2, nl1));
+    }
+
+    // dV += P^T dO: B from dO stored [query][hd] = B[k][n], through .trans.
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      if (kFull || j < groups) {
+        uint32_t pa[4];
+        acc_to_a(pa, s[2 * j], s[2 * j + 1]);
+#pragma unroll
+        for (int nn = 0; nn < HD / 16; ++nn) {
+          uint32_t db[4];
+          ldmatrix_x4_trans(db, s_do(buf) + at<LD>(c0 + j * 16, nn * 16) + off_a);
+          mma_bf16(dv[2 * nn], pa, db[0], db[1]);
+          mma_bf16(dv[2 * nn + 1], pa, db[2], db[3]);
+        }
+      }
+    }
+
+    // dP^T = V dO^T: A = V rows, B from dO stored [query][hd] = B^T.
+    float dp[kN][4];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t va[4];
+      ldmatrix_x4(va, s_v + at<LD>(warp * 16, kk * 16) + off_a);
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j) {
+        if (kFull || j < groups) {
+          uint32_t db[4];
+          ldmatrix_x4(db, s_do(buf) + at<LD>(c0 + j * 16, kk * 16) + off_bt);
+          mma_bf16(dp[2 * j], va, db[0], db[1]);
+          mma_bf16(dp[2 * j + 1], va, db[2], db[3]);
+        }
+      }
+    }
+
+    // dS^T = P^T * (dP^T - delta[query]), in place over dP^T. Zero wherever P^T is (dP^T is
+    // finite: padding rows of V and dO are zero).
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const float2 d2 = *reinterpret_cast<const float2*>(delta_c + n * 8 + 2 * t);
+      dp[n][0] = s[n][0] * (dp[n][0] - d2.x);
+      dp[n][1] = s[n][1] * (dp[n][1] - d2.y);
+      dp[n][2] = s[n][2] * (dp[n][2] - d2.x);
+      dp[n][3] = s[n][3] * (dp[n][3] - d2.y);
+    }
+
+    // dK += dS^T Q: B from Q stored [query][hd] = B[k][n], through .trans.
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      if (kFull || j < groups) {
+        uint32_t dsa[4];
+        acc_to_a(dsa, dp[2 * j], dp[2 * j + 1]);
+#pragma unroll
+        for (int nn = 0; nn < HD / 16; ++nn) {
+          uint32_t qb[4];
+          ldmatrix_x4_trans(qb, s_q(buf) + at<LD>(c0 + j * 16, nn * 16) + off_a);
+          mma_bf16(dk[2 * nn], dsa, qb[0], qb[1]);
+          mma_bf16(dk[2 * nn + 1], dsa, qb[2], qb[3]);
+        }
+      }
+    }
+  };
+
+  for (int c = 0; c < n_chunks; ++c) {
+    const int buf = c & 1;
+    if (c + 1 < n_chunks) {
+      load_chunk(c + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    if (live) {
+      const int q_valid = min(kTile, T - c * kTile);  // real queries in this chunk, >= 1
+      if (q_valid == kTile) {
+#pragma unroll 1  // one register block at a time: overlapping two spills at hd >= 112
+        for (int sb = 0; sb < kTile / kSub; ++sb)
+          sub_block(buf, sb * kSub, kGroups, std::true_type{});
+      } else {
+        for (int c0 = 0; c0 < q_valid; c0 += kSub)
+          sub_block(buf, c0, min(kGroups, (q_valid - c0 + 15) / 16), std::false_type{});
+      }
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
-  // dV = P^T dO, through the score buffer, which is free again.
-  mma_tiles<wmma::row_major>(Ps, L.ld.p_ld, dOs, L.ld.hd_ld, Ss, L.ld.s_ld, rows_pad / 16, HD / 16,
-                             Tp / 16);
-  __syncthreads();
-  bf16* dk_dst = dqkv + (size_t(b) * T + k0) * qkv_ld + D + h * HD;
-  store_rows<HD>(dk_dst + D, qkv_ld, Ss, L.ld.s_ld, rows, 1.0f);
-  __syncthreads();  // dV is read out of Ss before dP^T overwrites it
-
-  // dP^T = V dO^T.
-  mma_tiles<wmma::col_major>(Vs, L.ld.hd_ld, dOs, L.ld.hd_ld, Ss, L.ld.s_ld, rows_pad / 16, Tp / 16,
-                             HD / 16);
-  __syncthreads();
-
-  // dS^T = P^T * (dP^T - delta[j]), in place over P^T (its product dV is done). Masked entries
-  // stay 0: P^T is 0 there and dP^T is finite (padding rows of V and dO are zero).
-  for (int r = warp; r < rows_pad; r += kWarps) {
-    const float* dp_row = Ss + r * L.ld.s_ld;
-    bf16* p_row = Ps + r * L.ld.p_ld;
-    for (int j = lane; j < Tp; j += 32)
-      p_row[j] = __float2bfloat16(__bfloat162float(p_row[j]) * (dp_row[j] - delta_s[j]));
+  if (live) {
+    // dK = scale * dS^T Q, dV as is; staged through the warp's own K and V rows.
+    bf16* dk_dst = dqkv + (size_t(b) * T + w_row0) * qkv_ld + D + h * HD;
+    const int rows = min(16, T - w_row0);
+    store_warp_tile<HD>(smem + at<LD>(warp * 16, 0), dk, scale, scale, dk_dst, qkv_ld, rows, lane);
+    store_warp_tile<HD>(smem + kTileBytes + at<LD>(warp * 16, 0), dv, 1.0f, 1.0f, dk_dst + D,
+                        qkv_ld, rows, lane);
   }
-  __syncthreads();
-
-  // dK = scale * dS^T Q.
-  mma_tiles<wmma::row_major>(Ps, L.ld.p_ld, Qs, L.ld.hd_ld, Ss, L.ld.s_ld, rows_pad / 16, HD / 16,
-                             Tp / 16);
-  __syncthreads();
-  store_rows<HD>(dk_dst, qkv_ld, Ss, L.ld.s_ld, rows, scale);
 }
 
-// Grid (ceil(T/64), H, B): one 64-query tile against all keys of the (image, head).
-// Rows: [0, rows_pad) queries; columns: [0, Tp) keys.
+// ---------------------------------------------------------------------------------------------
+// dQ. Grid (ceil(T/64), H, B): one 64-query tile against all keys, streamed in chunks of 64.
+// Warp w owns queries q0 + 16w .. +15: Q and dO fragments in registers, lse and delta per row,
+// dQ (16 x HD fp32) accumulated in registers.
 template <int HD>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
     attention_dq_kernel(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
                         const float* __restrict__ lse, const float* __restrict__ delta,
                         bf16* __restrict__ dqkv, int T, int H, float scale) {
+  constexpr int LD = HD + 8;
+  constexpr int kTileBytes = tile_bytes(HD);
+  constexpr int kSub = Tuning<HD>::kDqSub;  // keys per register block
+  constexpr int kGroups = kSub / 16;
+  constexpr int kN = kSub / 8;  // n-tiles of S, dP
   extern __shared__ __align__(128) unsigned char smem[];
-  const int Tp = round_up16(T);
-  const DqSmem L(HD, Tp);
-  bf16* Qs = reinterpret_cast<bf16*>(smem + L.q);
-  bf16* dOs = reinterpret_cast<bf16*>(smem + L.dout);
-  bf16* Ks = reinterpret_cast<bf16*>(smem + L.k);
-  bf16* Vs = reinterpret_cast<bf16*>(smem + L.v);
-  float* Ss = reinterpret_cast<float*>(smem + L.s);
-  bf16* Ps = reinterpret_cast<bf16*>(smem + L.p);
+  const uint32_t s_q = smem_addr(smem);
+  const uint32_t s_do = s_q + kTileBytes;
+  const auto s_k = [&](int buf) { return s_q + uint32_t((2 + 2 * buf) * kTileBytes); };
+  const auto s_v = [&](int buf) { return s_q + uint32_t((3 + 2 * buf) * kTileBytes); };
 
   const int q0 = blockIdx.x * kTile;
   const int h = blockIdx.y;
@@ -389,76 +698,198 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int D = H * HD;
   const size_t qkv_ld = 3 * size_t(D);
   const bf16* q_src = qkv + size_t(b) * T * qkv_ld + h * HD;
+  const bf16* k_src = q_src + D;
+  const bf16* v_src = q_src + 2 * D;
   const bf16* do_src = dout + size_t(b) * T * D + h * HD;
-  const float* lse_rows = lse + (size_t(b) * H + h) * T + q0;
-  const float* delta_rows = delta + (size_t(b) * H + h) * T + q0;
-  const int rows = min(kTile, T - q0);
-  const int rows_pad = round_up16(rows);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int w_row0 = q0 + warp * 16;
+  const bool live = w_row0 < T;
+  const uint32_t off_a = lane_offset_a<LD>(lane);
+  const uint32_t off_bt = lane_offset_bt<LD>(lane);
+  const float scale_log2 = scale * kLog2e;
+  const int n_chunks = (T + kTile - 1) / kTile;
 
-  load_rows<HD>(Qs, L.ld.hd_ld, q_src + q0 * qkv_ld, qkv_ld, rows_pad, rows);
-  load_rows<HD>(dOs, L.ld.hd_ld, do_src + size_t(q0) * D, D, rows_pad, rows);
-  load_rows<HD>(Ks, L.ld.hd_ld, q_src + D, qkv_ld, Tp, T);
-  load_rows<HD>(Vs, L.ld.hd_ld, q_src + 2 * D, qkv_ld, Tp, T);
-  __syncthreads();
+  load_tile_async<HD>(s_q, q_src, qkv_ld, q0, T);
+  load_tile_async<HD>(s_do, do_src, size_t(D), q0, T);
+  load_tile_async<HD>(s_k(0), k_src, qkv_ld, 0, T);
+  load_tile_async<HD>(s_v(0), v_src, qkv_ld, 0, T);
+  cp_async_commit();
 
-  // S = Q K^T (unscaled).
-  mma_tiles<wmma::col_major>(Qs, L.ld.hd_ld, Ks, L.ld.hd_ld, Ss, L.ld.s_ld, rows_pad / 16, Tp / 16,
-                             HD / 16);
-  __syncthreads();
+  // Rows g and g+8 of the warp: -lse * log2(e) and delta; padding rows get 0 for both (their Q
+  // and dO are zero, so everything stays finite, and they are never written).
+  const size_t bh = (size_t(b) * H + h) * T;
+  const int row_lo = w_row0 + g;
+  const int row_hi = w_row0 + g + 8;
+  const float nlse_lo = row_lo < T ? -lse[bh + row_lo] * kLog2e : 0.0f;
+  const float nlse_hi = row_hi < T ? -lse[bh + row_hi] * kLog2e : 0.0f;
+  const float delta_lo = row_lo < T ? delta[bh + row_lo] : 0.0f;
+  const float delta_hi = row_hi < T ? delta[bh + row_hi] : 0.0f;
 
-  // P = exp(scale * S - lse[row]); 0 for padding keys and padding query rows.
-  for (int r = warp; r < rows_pad; r += kWarps) {
-    const float* s_row = Ss + r * L.ld.s_ld;
-    bf16* p_row = Ps + r * L.ld.p_ld;
-    const float row_lse = r < rows ? lse_rows[r] : 0.0f;
-    for (int j = lane; j < Tp; j += 32) {
-      const bool live = r < rows && j < T;
-      p_row[j] = __float2bfloat16(live ? expf(fmaf(s_row[j], scale, -row_lse)) : 0.0f);
+  uint32_t qf[HD / 16][4], dof[HD / 16][4];
+  float dq[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+
+  // One register block: keys [c0, c0 + kSub) of the chunk in buffer buf, sub_valid of them real
+  // (may exceed kSub), groups of its 16-key groups holding any real key. kFull: the whole chunk is
+  // real (no guards between products, no mask); the other instantiation runs only for the last,
+  // partial chunk.
+  const auto sub_block = [&](int buf, int c0, int sub_valid, int groups, auto full) {
+    constexpr bool kFull = decltype(full)::value;
+
+    // S = Q K^T and dP = dO V^T (16 queries x kSub keys), B from K and V stored
+    // [key][hd] (= B^T).
+    float s[kN][4], dp[kN][4];
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j) {
+        if (kFull || j < groups) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, s_k(buf) + at<LD>(c0 + j * 16, kk * 16) + off_bt);
+          mma_bf16(s[2 * j], qf[kk], kb[0], kb[1]);
+          mma_bf16(s[2 * j + 1], qf[kk], kb[2], kb[3]);
+        }
+      }
     }
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j) {
+        if (kFull || j < groups) {
+          uint32_t vb[4];
+          ldmatrix_x4(vb, s_v(buf) + at<LD>(c0 + j * 16, kk * 16) + off_bt);
+          mma_bf16(dp[2 * j], dof[kk], vb[0], vb[1]);
+          mma_bf16(dp[2 * j + 1], dof[kk], vb[2], vb[3]);
+        }
+      }
+    }
+
+    // P = exp(scale S - lse[row]), 0 for keys at or past T (columns 2t, 2t+1 of n-tile n
+    // are keys c0 + 8n + 2t, +1); dS = P * (dP - delta[row]), in place over dP.
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const int col = n * 8 + 2 * t;
+      float p0 = exp2_approx(fmaf(s[n][0], scale_log2, nlse_lo));
+      float p1 = exp2_approx(fmaf(s[n][1], scale_log2, nlse_lo));
+      float p2 = exp2_approx(fmaf(s[n][2], scale_log2, nlse_hi));
+      float p3 = exp2_approx(fmaf(s[n][3], scale_log2, nlse_hi));
+      if (!kFull) {
+        if (col >= sub_valid) p0 = p2 = 0.0f;
+        if (col + 1 >= sub_valid) p1 = p3 = 0.0f;
+      }
+      dp[n][0] = p0 * (dp[n][0] - delta_lo);
+      dp[n][1] = p1 * (dp[n][1] - delta_lo);
+      dp[n][2] = p2 * (dp[n][2] - delta_hi);
+      dp[n][3] = p3 * (dp[n][3] - delta_hi);
+    }
+
+    // dQ += dS K: B from K stored [key][hd] = B[k][n], through .trans.
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      if (kFull || j < groups) {
+        uint32_t dsa[4];
+        acc_to_a(dsa, dp[2 * j], dp[2 * j + 1]);
+#pragma unroll
+        for (int nn = 0; nn < HD / 16; ++nn) {
+          uint32_t kb[4];
+          ldmatrix_x4_trans(kb, s_k(buf) + at<LD>(c0 + j * 16, nn * 16) + off_a);
+          mma_bf16(dq[2 * nn], dsa, kb[0], kb[1]);
+          mma_bf16(dq[2 * nn + 1], dsa, kb[2], kb[3]);
+        }
+      }
+    }
+  };
+
+  for (int c = 0; c < n_chunks; ++c) {
+    const int buf = c & 1;
+    if (c + 1 < n_chunks) {
+      load_tile_async<HD>(s_k(buf ^ 1), k_src, qkv_ld, (c + 1) * kTile, T);
+      load_tile_async<HD>(s_v(buf ^ 1), v_src, qkv_ld, (c + 1) * kTile, T);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    if (live) {
+      if (c == 0) {
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          ldmatrix_x4(qf[kk], s_q + at<LD>(warp * 16, kk * 16) + off_a);
+          ldmatrix_x4(dof[kk], s_do + at<LD>(warp * 16, kk * 16) + off_a);
+        }
+      }
+      const int kv_valid = min(kTile, T - c * kTile);  // real keys in this chunk, >= 1
+      if (kv_valid == kTile) {
+#pragma unroll 1  // one register block at a time: overlapping two spills at hd >= 112
+        for (int sb = 0; sb < kTile / kSub; ++sb)
+          sub_block(buf, sb * kSub, kSub, kGroups, std::true_type{});
+      } else {
+        for (int c0 = 0; c0 < kv_valid; c0 += kSub)
+          sub_block(buf, c0, kv_valid - c0, min(kGroups, (kv_valid - c0 + 15) / 16),
+                    std::false_type{});
+      }
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
-  // dP = dO V^T.
-  mma_tiles<wmma::col_major>(dOs, L.ld.hd_ld, Vs, L.ld.hd_ld, Ss, L.ld.s_ld, rows_pad / 16, Tp / 16,
-                             HD / 16);
-  __syncthreads();
-
-  // dS = P * (dP - delta[row]), in place over P; masked entries stay 0 as in dKdV.
-  for (int r = warp; r < rows_pad; r += kWarps) {
-    const float* dp_row = Ss + r * L.ld.s_ld;
-    bf16* p_row = Ps + r * L.ld.p_ld;
-    const float row_delta = r < rows ? delta_rows[r] : 0.0f;
-    for (int j = lane; j < Tp; j += 32)
-      p_row[j] = __float2bfloat16(__bfloat162float(p_row[j]) * (dp_row[j] - row_delta));
+  if (live) {
+    // dQ = scale * dS K, staged through the warp's own Q rows.
+    store_warp_tile<HD>(smem + at<LD>(warp * 16, 0), dq, scale, scale,
+                        dqkv + (size_t(b) * T + w_row0) * qkv_ld + h * HD, qkv_ld,
+                        min(16, T - w_row0), lane);
   }
-  __syncthreads();
-
-  // dQ = scale * dS K.
-  mma_tiles<wmma::row_major>(Ps, L.ld.p_ld, Ks, L.ld.hd_ld, Ss, L.ld.s_ld, rows_pad / 16, HD / 16,
-                             Tp / 16);
-  __syncthreads();
-  store_rows<HD>(dqkv + (size_t(b) * T + q0) * qkv_ld + h * HD, qkv_ld, Ss, L.ld.s_ld, rows, scale);
 }
 
-// The dynamic shared-memory limit is an attribute of a kernel in one device's context. Raise it to
-// that device's opt-in maximum once per (kernel, device), so every T that fits can launch; the
-// static state is per instantiation of this template, i.e. per kernel.
-template <auto Kernel>
-void raise_smem_limit() {
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+struct DeviceInfo {
+  int major = 0, minor = 0, smem_optin = 0;
+};
+
+// Per-device properties, queried once per device (cudaDeviceGetAttribute, never the slow
+// cudaGetDeviceProperties).
+DeviceInfo device_info(int dev) {
   static std::mutex mutex;
-  static std::vector<bool> raised;  // by device ordinal
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
+  static std::vector<std::pair<bool, DeviceInfo>> cache;  // by ordinal
   std::lock_guard<std::mutex> lock(mutex);
-  if (dev < static_cast<int>(raised.size()) && raised[dev]) return;
-  int optin = 0;
-  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (dev < static_cast<int>(cache.size()) && cache[dev].first) return cache[dev].second;
+  DeviceInfo info;
+  CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, dev));
+  CUDA_CHECK(
+      cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (dev >= static_cast<int>(cache.size())) cache.resize(dev + 1);
+  cache[dev] = {true, info};
+  return info;
+}
+
+// Kernel attributes are per (kernel, device context): once per instantiation and device, allow
+// the kernel's dynamic shared memory (which exceeds the default 48 KB for larger hd) and prefer
+// the largest shared-memory carveout, so that several blocks share an SM.
+template <auto Kernel>
+void prepare_kernel(int dev, int smem_bytes) {
+  static std::mutex mutex;
+  static std::vector<bool> done;  // by device ordinal
+  std::lock_guard<std::mutex> lock(mutex);
+  if (dev < static_cast<int>(done.size()) && done[dev]) return;
   CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-  if (dev >= static_cast<int>(raised.size())) raised.resize(dev + 1, false);
-  raised[dev] = true;
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
+                                  cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared));
+  if (dev >= static_cast<int>(done.size())) done.resize(dev + 1, false);
+  done[dev] = true;
 }
 
 // Calls f(std::integral_constant<int, hd>) for the supported head dims.
@@ -481,13 +912,15 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 float softmax_scale(int hd) { return 1.0f / std::sqrt(static_cast<float>(hd)); }
 
-// Preconditions common to both launchers.
-void require_shape(const char* who, int B, int T, int H, int hd) {
+// Preconditions common to both launchers; returns the current device.
+int require_shape(const char* who, int B, int T, int H, int hd) {
   const std::string reason = attention_unsupported_reason(T, hd);
   ENSURE(reason.empty(), std::string(who) + ": " + reason);
   ENSURE(B >= 1 && H >= 1, std::string(who) + ": B and H must be positive");
-  // The grid is (ceil(T/64), H, B); T is bounded far below the x limit by the shared memory.
   ENSURE(H <= 65535 && B <= 65535, std::string(who) + ": H and B must be at most 65535 (grid)");
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
 }
 }  // namespace
 
@@ -495,39 +928,38 @@ std::string attention_unsupported_reason(int T, int hd) {
   if (hd < 16 || hd > 128 || hd % 16 != 0)
     return "attention head dim " + std::to_string(hd) +
            " unsupported (needs a multiple of 16 in [16, 128])";
-  if (T < 1 || T > kMaxT) return "attention sequence length " + std::to_string(T) + " unsupported";
-  int dev = 0, major = 0, minor = 0, optin = 0;
+  if (T < 1 || T > kMaxT)
+    return "attention sequence length " + std::to_string(T) + " unsupported (needs 1 <= T <= " +
+           std::to_string(kMaxT) + ")";
+  int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (major != 9 || minor != 0)
+  const DeviceInfo info = device_info(dev);
+  if (info.major != 9 || info.minor != 0)
     return "attention kernels are built for sm_90a only; device " + std::to_string(dev) +
-           " is sm_" + std::to_string(major) + std::to_string(minor);
-  const int Tp = round_up16(T);
-  size_t need = ForwardSmem(hd, Tp).bytes;
-  need = std::max(need, DkdvSmem(hd, Tp).bytes);
-  need = std::max(need, DqSmem(hd, Tp).bytes);
-  if (need > static_cast<size_t>(optin))
-    return "attention with T=" + std::to_string(T) + ", hd=" + std::to_string(hd) + " needs " +
-           std::to_string(need) + " bytes of shared memory per block; the device allows " +
-           std::to_string(optin);
+           " is sm_" + std::to_string(info.major) + std::to_string(info.minor);
+  // Shared memory does not depend on T (keys or queries stream through in chunks).
+  const int need =
+      std::max(forward_smem_bytes(hd), std::max(dkdv_smem_bytes(hd), dq_smem_bytes(hd)));
+  if (need > info.smem_optin)
+    return "attention with hd=" + std::to_string(hd) + " needs " + std::to_string(need) +
+           " bytes of shared memory per block; the device allows " +
+           std::to_string(info.smem_optin);
   return {};
 }
 
 void attention_forward(const bf16* qkv, bf16* out, float* lse, int B, int T, int H, int hd,
                        cudaStream_t stream) {
-  require_shape("attention_forward", B, T, H, hd);
+  const int dev = require_shape("attention_forward", B, T, H, hd);
   ENSURE(qkv && out && lse, "attention_forward: null pointer");
   ENSURE(aligned16(qkv) && aligned16(out), "attention_forward: qkv/out must be 16-byte aligned");
   NvtxRange range("attention_forward");
-  const int Tp = round_up16(T);
   const dim3 grid((T + kTile - 1) / kTile, H, B);
   dispatch_hd(hd, [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
-    raise_smem_limit<&attention_forward_kernel<HD>>();
-    attention_forward_kernel<HD><<<grid, kThreads, ForwardSmem(HD, Tp).bytes, stream>>>(
-        qkv, out, lse, T, H, softmax_scale(HD));
+    constexpr int kSmem = forward_smem_bytes(HD);
+    prepare_kernel<&attention_forward_kernel<HD>>(dev, kSmem);
+    attention_forward_kernel<HD><<<grid, kThreads, kSmem, stream>>>(qkv, out, lse, T, H,
+                                                                    softmax_scale(HD));
     LAUNCH_CHECK();
   });
 }
@@ -535,32 +967,33 @@ void attention_forward(const bf16* qkv, bf16* out, float* lse, int B, int T, int
 void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse,
                         float* delta, bf16* dqkv, int B, int T, int H, int hd,
                         cudaStream_t stream) {
-  require_shape("attention_backward", B, T, H, hd);
+  const int dev = require_shape("attention_backward", B, T, H, hd);
   ENSURE(qkv && out && dout && lse && delta && dqkv, "attention_backward: null pointer");
   ENSURE(aligned16(qkv) && aligned16(out) && aligned16(dout) && aligned16(dqkv),
-          "attention_backward: qkv/out/dout/dqkv must be 16-byte aligned");
+         "attention_backward: qkv/out/dout/dqkv must be 16-byte aligned");
   NvtxRange range("attention_backward");
 
   const long long pairs = static_cast<long long>(B) * T * H;
-  const long long pairs_per_block = kThreads / kDeltaGroup;
+  const long long pairs_per_block = kDeltaThreads / kDeltaGroup;
   const long long delta_blocks = (pairs + pairs_per_block - 1) / pairs_per_block;
   ENSURE(delta_blocks <= 0x7fffffffLL, "attention_backward: B*T*H too large for the delta grid");
-  attention_delta_kernel<<<static_cast<unsigned>(delta_blocks), kThreads, 0, stream>>>(
+  attention_delta_kernel<<<static_cast<unsigned>(delta_blocks), kDeltaThreads, 0, stream>>>(
       out, dout, delta, T, H, hd, pairs);
   LAUNCH_CHECK();
 
-  const int Tp = round_up16(T);
   const dim3 grid((T + kTile - 1) / kTile, H, B);
   dispatch_hd(hd, [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     const float scale = softmax_scale(HD);
-    raise_smem_limit<&attention_dkdv_kernel<HD>>();
-    attention_dkdv_kernel<HD><<<grid, kThreads, DkdvSmem(HD, Tp).bytes, stream>>>(
-        qkv, dout, lse, delta, dqkv, T, H, scale);
+    constexpr int kDkdvSmem = dkdv_smem_bytes(HD);
+    prepare_kernel<&attention_dkdv_kernel<HD>>(dev, kDkdvSmem);
+    attention_dkdv_kernel<HD><<<grid, kThreads, kDkdvSmem, stream>>>(qkv, dout, lse, delta, dqkv,
+                                                                     T, H, scale);
     LAUNCH_CHECK();
-    raise_smem_limit<&attention_dq_kernel<HD>>();
-    attention_dq_kernel<HD><<<grid, kThreads, DqSmem(HD, Tp).bytes, stream>>>(
-        qkv, dout, lse, delta, dqkv, T, H, scale);
+    constexpr int kDqSmem = dq_smem_bytes(HD);
+    prepare_kernel<&attention_dq_kernel<HD>>(dev, kDqSmem);
+    attention_dq_kernel<HD><<<grid, kThreads, kDqSmem, stream>>>(qkv, dout, lse, delta, dqkv, T,
+                                                                 H, scale);
     LAUNCH_CHECK();
   });
 }

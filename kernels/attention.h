@@ -1,7 +1,7 @@
 // Fused multi-head self-attention core (no mask, scale 1/sqrt(hd), softmax in fp32) on timm's
-// qkv layout, forward and backward, bf16 tensor-core kernels. The whole key range of one
-// (image, head) is held in shared memory, so no score matrix ever reaches device memory and T is
-// bounded by the shared memory of one block (attention_unsupported_reason says where).
+// qkv layout, forward and backward, bf16 tensor-core kernels (mma.sync, FlashAttention-2 style:
+// scores and probabilities live in registers, never in device memory). Keys (or queries) stream
+// through shared memory in chunks of 64, so T is bounded only by attention_unsupported_reason.
 //
 // Layouts (row-major): qkv [B*T, 3*D] with columns [0, D) Q, [D, 2D) K, [2D, 3D) V, head h at
 // columns h*hd .. h*hd+hd-1 within each; D = H*hd. out/dout [B*T, D], heads joined the same way.
