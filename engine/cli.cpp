@@ -53,6 +53,7 @@ std::string usage() {
          "  --timing               per-phase and per-op-kind CUDA-event breakdown (synchronises each step)\n"
          "  --profile-steps A:B    cudaProfilerStart/Stop around steps A..B (nsys --capture-range=cudaProfilerApi)\n"
          "  --peak-tflops X        dense peak for MFU when the GPU is not known to the engine\n"
+         "  --no-gemm-autotune     take cuBLASLt's heuristic first choice instead of timing its candidates\n"
          "  --dump-reference DIR   write weights, batches, step-0 logits/loss/gradients and the losses of\n"
          "                         --steps steps for tools/timm_reference.py\n"
          "  --help                 this text\n";
@@ -114,6 +115,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     if (a == "--help" || a == "-h") { o.help = true; continue; }
     if (a == "--nesterov") { o.nesterov = true; continue; }
     if (a == "--timing") { o.timing = true; continue; }
+    if (a == "--no-gemm-autotune") { o.gemm_autotune = false; continue; }
     std::string flag = a, value;
     const size_t eq = a.find('=');
     const bool inline_value = a.rfind("--", 0) == 0 && eq != std::string::npos;

@@ -19,6 +19,7 @@ struct TrainOptions {
   bool nesterov = false;
   int log_every = 10;
   bool timing = false;
+  bool gemm_autotune = true;  // time cuBLASLt's candidate algorithms per GEMM shape
   int profile_first = -1, profile_last = -1;  // --profile-steps A:B, inclusive
   std::string dump_reference;                 // --dump-reference DIR
   double peak_tflops = 0;                     // 0: known from the device name

@@ -71,7 +71,7 @@ class Gemm {
   };
   const Plan& plan(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
                    const void* bias, cudaStream_t stream);
-  static constexpr int kCandidates = 8, kTuneRepeats = 5;
+  static constexpr int kCandidates = 8, kTuneRounds = 5;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

@@ -90,7 +90,7 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
 
   model_ = std::make_unique<ViT>(cfg, opts_.batch, arenas_);
   arenas_.commit();
-  gemm_ = std::make_unique<Gemm>(gemm_workspace_);
+  gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
   timer_ = std::make_unique<OpTimer>(opts_.timing);
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   model_->init_params(opts_.seed, stream_);

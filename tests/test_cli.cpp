@@ -45,7 +45,8 @@ TEST_CASE("cli: defaults are ViT-H/16, batch 64, bf16, SGD lr 0.001 momentum 0.9
 TEST_CASE("cli: presets and overrides, in any order, with --flag=value too") {
   TrainOptions o = parse({"--dim", "64", "--model", "vit_b16", "--depth=2", "--heads", "4", "--img", "32",
                           "--patch", "8", "--classes", "10", "--mlp-ratio", "2", "--nesterov", "--timing",
-                          "--profile-steps", "3:5", "--steps", "10", "--warmup", "2"});
+                          "--profile-steps", "3:5", "--steps", "10", "--warmup", "2", "--no-gemm-autotune"});
+  CHECK_FALSE(o.gemm_autotune);
   CHECK(o.model.dim == 64);
   CHECK(o.model.depth == 2);
   CHECK(o.model.heads == 4);

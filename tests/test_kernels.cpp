@@ -242,7 +242,7 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
   struct Shape { int B, T, H, hd; };
   for (Shape s : {Shape{2, 197, 2, 80}, Shape{1, 17, 4, 16}, Shape{2, 50, 1, 64}, Shape{1, 65, 2, 128},
                   Shape{1, 257, 1, 64}, Shape{3, 5, 2, 32}, Shape{1, 200, 1, 48}, Shape{1, 577, 1, 96},
-                  Shape{2, 1, 1, 112}}) {
+                  Shape{2, 2, 1, 112}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {

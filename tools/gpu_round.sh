@@ -5,8 +5,10 @@
 #   3. the speed round: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh), then the
 #      engine's per-phase breakdown (--timing)
 #   4. the reference tier on ViT-H itself
+# and, on request, timing_heuristic (the breakdown with cuBLASLt's heuristic GEMM choices) and
+# ncu (Nsight Compute's speed-of-light of each non-GEMM kernel and each GEMM of one block).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
-# Usage: tools/gpu_round.sh [parts...]   (parts: tests ref_small bench timing ref_h; default all)
+# Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small bench timing ref_h)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_round}
@@ -33,6 +35,11 @@ for part in $parts; do
       run ref_small python3 tools/timm_reference.py /tmp/ref_small ;;
     bench) OUT=$OUT run bench tools/bench.sh ;;
     timing) run timing ./vit_train --steps 15 --warmup 5 --timing ;;
+    timing_heuristic) run timing_heuristic ./vit_train --steps 15 --warmup 5 --timing --no-gemm-autotune ;;
+    ncu)  # ViT-H shapes at depth 2: every kernel kind once, GEMMs with the heuristic's choice
+      run ncu ncu --clock-control none --section SpeedOfLight --launch-count 40 \
+        -k regex:'layernorm|gelu|attention|sgd|sum_rows|gemm|sm90|cutlass|xmma' \
+        ./vit_train --depth 2 --steps 1 --warmup 0 --no-gemm-autotune ;;
     ref_h)
       rm -rf /tmp/ref_h
       run ref_h_dump ./vit_train --steps 10 --dump-reference /tmp/ref_h
