@@ -8,7 +8,8 @@
 
 namespace {
 constexpr int kWarps = 8;
-constexpr int kRowsPerBlock = 32;  // backward: rows sharing one block's weight-gradient partials
+constexpr int kRowsPerChunk = 32;  // rows summed into one partial row of the weight gradients
+constexpr int kParamThreads = 64;  // threads of a block of layernorm_params_kernel (256 columns)
 constexpr int kMaxChunks = 12;     // a lane holds up to 12 float4 of a row: D <= 1536 (more spills)
 
 // A warp owns a row; lane l holds its float4 columns l, l + 32, ... in registers (CHUNKS of
@@ -68,73 +69,72 @@ __device__ __forceinline__ float4 load_bf16x4(const bf16* p) {
 }
 
 // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w; g += dx.
-// A warp per row in two sweeps: the first sums, the second (re-reading the row from L1) writes
-// g and accumulates dw, db in registers across the warp's rows. Keeping the row in registers
-// instead would cost 226 registers and half the occupancy. The block's partials are reduced in
-// shared memory and written as one partial row per block, summed deterministically after.
+// A warp per row in two sweeps: the first sums, the second (re-reading x and dy from L1) writes
+// g. The weight and bias gradients are left to layernorm_params_kernel: accumulating them here
+// took 80 more registers a thread and halved the warps in flight (141 us against a 60 us floor
+// at ViT-H's shape).
 template <int CHUNKS>
 __global__ void __launch_bounds__(kWarps * 32)
     layernorm_backward_kernel(const bf16* __restrict__ dy, const float* __restrict__ x, int row_stride,
                               const float* __restrict__ w, const float* __restrict__ mean,
                               const float* __restrict__ rstd, float* __restrict__ g, bf16* __restrict__ g_bf16,
-                              float* __restrict__ partial, int M, int D) {
-  extern __shared__ float acc[];  // [2 * D]: dw then db
-  for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) acc[i] = 0;
-  __syncthreads();
-  const int lane = threadIdx.x % 32, D4 = D / 4;
-  float4 dw[CHUNKS], db[CHUNKS];
-#pragma unroll
-  for (int j = 0; j < CHUNKS; ++j) dw[j] = db[j] = make_float4(0, 0, 0, 0);
-  for (int r = threadIdx.x / 32; r < kRowsPerBlock; r += kWarps) {
-    const int row = blockIdx.x * kRowsPerBlock + r;
-    if (row >= M) break;
-    const float mu = mean[row], rs = rstd[row];
-    const float4* xr = reinterpret_cast<const float4*>(x + static_cast<size_t>(row) * row_stride);
-    const bf16* dyr = dy + static_cast<size_t>(row) * D;
-    const float4* w4 = reinterpret_cast<const float4*>(w);
-    float s1 = 0, s2 = 0;
-#pragma unroll
-    for (int j = 0; j < CHUNKS; ++j) {
-      const int i = lane + 32 * j;
-      if (i >= D4) continue;
-      const float4 xv = xr[i], d = load_bf16x4(dyr + 4 * i), wv = w4[i];
-      const float a = d.x * wv.x, b = d.y * wv.y, c = d.z * wv.z, e = d.w * wv.w;
-      s1 += a + b + c + e;
-      s2 += a * (xv.x - mu) + b * (xv.y - mu) + c * (xv.z - mu) + e * (xv.w - mu);
-    }
-    const float m1 = warp_sum(s1) / D, m2 = warp_sum(s2) * rs / D;
-    float4* gr = reinterpret_cast<float4*>(g + static_cast<size_t>(row) * row_stride);
-    uint2* gbr = reinterpret_cast<uint2*>(g_bf16 + static_cast<size_t>(row) * row_stride);
-#pragma unroll
-    for (int j = 0; j < CHUNKS; ++j) {
-      const int i = lane + 32 * j;
-      if (i >= D4) continue;
-      const float4 xv = xr[i], d = load_bf16x4(dyr + 4 * i), wv = w4[i];
-      const float4 xh = make_float4((xv.x - mu) * rs, (xv.y - mu) * rs, (xv.z - mu) * rs, (xv.w - mu) * rs);
-      float4 gv = gr[i];
-      gv.x += rs * (d.x * wv.x - m1 - xh.x * m2);
-      gv.y += rs * (d.y * wv.y - m1 - xh.y * m2);
-      gv.z += rs * (d.z * wv.z - m1 - xh.z * m2);
-      gv.w += rs * (d.w * wv.w - m1 - xh.w * m2);
-      gr[i] = gv;
-      __nv_bfloat162 lo = __floats2bfloat162_rn(gv.x, gv.y), hi = __floats2bfloat162_rn(gv.z, gv.w);
-      gbr[i] = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-      dw[j].x += d.x * xh.x; dw[j].y += d.y * xh.y; dw[j].z += d.z * xh.z; dw[j].w += d.w * xh.w;
-      db[j].x += d.x; db[j].y += d.y; db[j].z += d.z; db[j].w += d.w;
-    }
-  }
+                              int M, int D) {
+  const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32, D4 = D / 4;
+  if (row >= M) return;
+  const float mu = mean[row], rs = rstd[row];
+  const float4* xr = reinterpret_cast<const float4*>(x + static_cast<size_t>(row) * row_stride);
+  const bf16* dyr = dy + static_cast<size_t>(row) * D;
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  float s1 = 0, s2 = 0;
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
     const int i = lane + 32 * j;
     if (i >= D4) continue;
-    atomicAdd(&acc[4 * i], dw[j].x); atomicAdd(&acc[4 * i + 1], dw[j].y);
-    atomicAdd(&acc[4 * i + 2], dw[j].z); atomicAdd(&acc[4 * i + 3], dw[j].w);
-    atomicAdd(&acc[D + 4 * i], db[j].x); atomicAdd(&acc[D + 4 * i + 1], db[j].y);
-    atomicAdd(&acc[D + 4 * i + 2], db[j].z); atomicAdd(&acc[D + 4 * i + 3], db[j].w);
+    const float4 xv = xr[i], d = load_bf16x4(dyr + 4 * i), wv = w4[i];
+    const float a = d.x * wv.x, b = d.y * wv.y, c = d.z * wv.z, e = d.w * wv.w;
+    s1 += a + b + c + e;
+    s2 += a * (xv.x - mu) + b * (xv.y - mu) + c * (xv.z - mu) + e * (xv.w - mu);
   }
-  __syncthreads();
-  float* out = partial + static_cast<size_t>(blockIdx.x) * 2 * D;
-  for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) out[i] = acc[i];
+  const float m1 = warp_sum(s1) / D, m2 = warp_sum(s2) * rs / D;
+  float4* gr = reinterpret_cast<float4*>(g + static_cast<size_t>(row) * row_stride);
+  uint2* gbr = reinterpret_cast<uint2*>(g_bf16 + static_cast<size_t>(row) * row_stride);
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    const int i = lane + 32 * j;
+    if (i >= D4) continue;
+    const float4 xv = xr[i], d = load_bf16x4(dyr + 4 * i), wv = w4[i];
+    float4 gv = gr[i];
+    gv.x += rs * (d.x * wv.x - m1 - (xv.x - mu) * rs * m2);
+    gv.y += rs * (d.y * wv.y - m1 - (xv.y - mu) * rs * m2);
+    gv.z += rs * (d.z * wv.z - m1 - (xv.z - mu) * rs * m2);
+    gv.w += rs * (d.w * wv.w - m1 - (xv.w - mu) * rs * m2);
+    gr[i] = gv;
+    __nv_bfloat162 lo = __floats2bfloat162_rn(gv.x, gv.y), hi = __floats2bfloat162_rn(gv.z, gv.w);
+    gbr[i] = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+  }
+}
+
+// partial[chunk] = (sum of dy * xhat, sum of dy) over the chunk's kRowsPerChunk rows, per
+// column: a thread owns four columns, so each row's read is a coalesced 16-byte one per lane.
+__global__ void __launch_bounds__(kParamThreads)
+    layernorm_params_kernel(const bf16* __restrict__ dy, const float* __restrict__ x, int row_stride,
+                            const float* __restrict__ mean, const float* __restrict__ rstd,
+                            float* __restrict__ partial, int M, int D) {
+  const int i = blockIdx.x * kParamThreads + threadIdx.x, D4 = D / 4;
+  if (i >= D4) return;
+  const int r0 = blockIdx.y * kRowsPerChunk, r1 = min(M, r0 + kRowsPerChunk);
+  float4 dw = make_float4(0, 0, 0, 0), db = make_float4(0, 0, 0, 0);
+  for (int r = r0; r < r1; ++r) {
+    const float mu = mean[r], rs = rstd[r];
+    const float4 xv = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * row_stride)[i];
+    const float4 d = load_bf16x4(dy + static_cast<size_t>(r) * D + 4 * i);
+    dw.x += d.x * (xv.x - mu) * rs; dw.y += d.y * (xv.y - mu) * rs;
+    dw.z += d.z * (xv.z - mu) * rs; dw.w += d.w * (xv.w - mu) * rs;
+    db.x += d.x; db.y += d.y; db.z += d.z; db.w += d.w;
+  }
+  float4* out = reinterpret_cast<float4*>(partial + static_cast<size_t>(blockIdx.y) * 2 * D);
+  out[i] = dw;
+  out[D4 + i] = db;
 }
 
 // Calls f.template operator()<CHUNKS>() with CHUNKS = ceil(D / 128), a compile-time constant.
@@ -160,22 +160,25 @@ void layernorm_forward(const float* x, int x_row_stride, const float* w, const f
   LAUNCH_CHECK();
 }
 
-size_t layernorm_partial_floats(int M, int D) { return static_cast<size_t>(grid_for(M, kRowsPerBlock)) * 2 * D; }
+size_t layernorm_partial_floats(int M, int D) { return static_cast<size_t>(grid_for(M, kRowsPerChunk)) * 2 * D; }
 
 void layernorm_backward(const bf16* dy, const float* x, int row_stride, const float* w, const float* mean,
                         const float* rstd, float* g, bf16* g_bf16, float* dw, float* db, float* partial, int M, int D,
                         cudaStream_t stream) {
   NvtxRange range("layernorm_backward");
   ENSURE(D % 8 == 0 && D <= 128 * kMaxChunks && row_stride % 4 == 0 && is_aligned16(x) && is_aligned16(g) &&
-             is_aligned16(dy) && is_aligned16(g_bf16) && is_aligned16(w),
+             is_aligned16(dy) && is_aligned16(g_bf16) && is_aligned16(w) && is_aligned16(partial),
          "layernorm_backward: D must be a multiple of 8 up to 1536, rows 16-byte aligned");
-  const unsigned blocks = grid_for(M, kRowsPerBlock);
-  const size_t smem = 2 * D * sizeof(float);  // at most 16 KB
   dispatch_chunks(D, [&](auto chunks) {
     layernorm_backward_kernel<decltype(chunks)::value>
-        <<<blocks, kWarps * 32, smem, stream>>>(dy, x, row_stride, w, mean, rstd, g, g_bf16, partial, M, D);
+        <<<grid_for(M, kWarps), kWarps * 32, 0, stream>>>(dy, x, row_stride, w, mean, rstd, g, g_bf16, M, D);
   });
   LAUNCH_CHECK();
-  sum_rows(partial, blocks, D, 2 * D, dw, stream);
-  sum_rows(partial + D, blocks, D, 2 * D, db, stream);
+  const unsigned chunks = grid_for(M, kRowsPerChunk);
+  ENSURE(chunks <= 65535, "layernorm_backward: too many rows");
+  layernorm_params_kernel<<<dim3(grid_for(D / 4, kParamThreads), chunks), kParamThreads, 0, stream>>>(
+      dy, x, row_stride, mean, rstd, partial, M, D);
+  LAUNCH_CHECK();
+  sum_rows(partial, chunks, D, 2 * D, dw, stream);
+  sum_rows(partial + D, chunks, D, 2 * D, db, stream);
 }

@@ -6,19 +6,15 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowsPerChunk = 64;
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
-
 // Stage one: partial[chunk, col] = sum of kRowsPerChunk rows; consecutive threads read
 // consecutive columns, so each row's read is coalesced.
-template <class T>
-__global__ void colsum_partial_kernel(const T* __restrict__ x, int M, int N, int ld,
+__global__ void colsum_partial_kernel(const float* __restrict__ x, int M, int N, int ld,
                                       float* __restrict__ partial) {
   const int col = blockIdx.x * kThreads + threadIdx.x;
   if (col >= N) return;
   const int r0 = blockIdx.y * kRowsPerChunk, r1 = min(M, r0 + kRowsPerChunk);
   float s = 0;
-  for (int r = r0; r < r1; ++r) s += to_f32(x[static_cast<size_t>(r) * ld + col]);
+  for (int r = r0; r < r1; ++r) s += x[static_cast<size_t>(r) * ld + col];
   partial[static_cast<size_t>(blockIdx.y) * N + col] = s;
 }
 
@@ -30,16 +26,6 @@ __global__ void sum_rows_kernel(const float* __restrict__ partial, int R, int N,
   for (int r = 0; r < R; ++r) s += partial[static_cast<size_t>(r) * ld + col];
   out[col] = s;
 }
-
-template <class T>
-void colsum_impl(const T* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
-  ENSURE(M > 0 && N > 0 && ld >= N, "colsum: bad shape");
-  const int chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
-  ENSURE(chunks <= 65535, "colsum: too many rows");
-  colsum_partial_kernel<T><<<dim3(grid_for(N, kThreads), chunks), kThreads, 0, stream>>>(x, M, N, ld, partial);
-  LAUNCH_CHECK();
-  sum_rows(partial, chunks, N, N, out, stream);
-}
 }  // namespace
 
 size_t colsum_partial_floats(int M, int N) {
@@ -47,11 +33,12 @@ size_t colsum_partial_floats(int M, int N) {
 }
 
 void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
-  colsum_impl(x, M, N, ld, out, partial, stream);
-}
-
-void colsum(const bf16* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
-  colsum_impl(x, M, N, ld, out, partial, stream);
+  ENSURE(M > 0 && N > 0 && ld >= N, "colsum: bad shape");
+  const int chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
+  ENSURE(chunks <= 65535, "colsum: too many rows");
+  colsum_partial_kernel<<<dim3(grid_for(N, kThreads), chunks), kThreads, 0, stream>>>(x, M, N, ld, partial);
+  LAUNCH_CHECK();
+  sum_rows(partial, chunks, N, N, out, stream);
 }
 
 void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream_t stream) {
