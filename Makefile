@@ -22,12 +22,16 @@ LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
 .PHONY: all test bench profile clean test-deps
-all: vit_train vit_tests
+all: vit_train vit_tests gemm_rate
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 vit_tests: $(LIB_OBJ) $(TEST_OBJ)
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
+# cuBLASLt's rate at one ViT block's GEMM shapes, through the engine's GEMM entry point.
+gemm_rate: $(LIB_OBJ) $(BUILD)/tools/gemm_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 $(BUILD)/%.o: %.cu
@@ -50,9 +54,11 @@ test-deps:
 test: test-deps vit_train vit_tests
 	./vit_tests
 
-# The speed round on a GPU machine: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh).
-bench: vit_train
+# The speed round on a GPU machine: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh),
+# and cuBLASLt's rate at the block's GEMM shapes.
+bench: vit_train gemm_rate
 	tools/bench.sh
+	./gemm_rate
 
 # An Nsight Systems capture of steps 10..14 (needs nsys on the PATH).
 profile: vit_train
@@ -60,6 +66,6 @@ profile: vit_train
 	  ./vit_train --steps 15 --profile-steps 10:14
 
 clean:
-	rm -rf $(BUILD) vit_train vit_tests
+	rm -rf $(BUILD) vit_train vit_tests gemm_rate
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -33,7 +33,8 @@ for part in $parts; do
       rm -rf /tmp/ref_small
       run ref_small_dump ./vit_train $SMALL --lr 0.05 --steps 10 --dump-reference /tmp/ref_small
       run ref_small python3 tools/timm_reference.py /tmp/ref_small ;;
-    bench) OUT=$OUT run bench tools/bench.sh ;;
+    bench) OUT=$OUT run bench tools/bench.sh
+      run gemm_rate ./gemm_rate ;;
     timing) run timing ./vit_train --steps 15 --warmup 5 --timing ;;
     timing_heuristic) run timing_heuristic ./vit_train --steps 15 --warmup 5 --timing --no-gemm-autotune ;;
     ncu)  # ViT-H shapes at depth 2: every kernel kind once, GEMMs with the heuristic's choice

@@ -1,0 +1,100 @@
+// gemm_rate: the rate cuBLASLt reaches on this card at the shapes of one ViT block's twelve GEMMs
+// (through the engine's own GEMM entry point, each shape timed alone: CUDA events, median of 20
+// after warm-up, random bf16 operands) and at a large square product, for comparison with the
+// GEMM time inside a training step (vit_train --timing).
+// Usage: gemm_rate [--dim D] [--hidden H] [--tokens M]   (default: ViT-H/16 at batch 64)
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "engine/check.h"
+#include "engine/gemm.h"
+#include "kernels/random.h"
+
+namespace {
+struct Product {
+  const char* name;
+  int M, N, K;
+  enum Kind { Forward, InputGrad, WeightGrad } kind;
+  bool bias;
+};
+
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  int D = 1280, H = 5120, M = 64 * 197;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    const int v = std::atoi(argv[i + 1]);
+    if (v <= 0 || v % 8 != 0) { std::fprintf(stderr, "gemm_rate: %s must be a positive multiple of 8\n", a.c_str()); return 2; }
+    if (a == "--dim") D = v; else if (a == "--hidden") H = v; else if (a == "--tokens") M = v;
+    else { std::fprintf(stderr, "gemm_rate: unknown option %s\n", a.c_str()); return 2; }
+  }
+  try {
+    const std::vector<Product> products = {
+        {"qkv forward", M, 3 * D, D, Product::Forward, true},     {"proj forward", M, D, D, Product::Forward, true},
+        {"fc1 forward", M, H, D, Product::Forward, true},         {"fc2 forward", M, D, H, Product::Forward, true},
+        {"qkv input grad", M, 3 * D, D, Product::InputGrad, false}, {"proj input grad", M, D, D, Product::InputGrad, false},
+        {"fc1 input grad", M, H, D, Product::InputGrad, false},   {"fc2 input grad", M, D, H, Product::InputGrad, false},
+        {"qkv weight grad", M, 3 * D, D, Product::WeightGrad, true}, {"proj weight grad", M, D, D, Product::WeightGrad, true},
+        {"fc1 weight grad", M, H, D, Product::WeightGrad, true},  {"fc2 weight grad", M, D, H, Product::WeightGrad, true},
+        {"square 8192^3", 8192, 8192, 8192, Product::Forward, false},
+    };
+    size_t most = 0;
+    for (const Product& p : products) most = std::max({most, size_t(p.M) * p.K, size_t(p.N) * p.K, size_t(p.M) * p.N});
+    float *x32, *out;
+    __nv_bfloat16 *a, *b, *c;
+    CUDA_CHECK(cudaMalloc(&x32, most * 4));
+    CUDA_CHECK(cudaMalloc(&out, most * 4));
+    for (__nv_bfloat16** p : {&a, &b, &c}) CUDA_CHECK(cudaMalloc(p, most * 2));
+    fill_normal(x32, most, 1, 1, 0, 1, -1e30f, 1e30f, 0);
+    std::vector<float> h(most);
+    CUDA_CHECK(cudaMemcpy(h.data(), x32, most * 4, cudaMemcpyDeviceToHost));
+    std::vector<__nv_bfloat16> hb(most);
+    for (size_t i = 0; i < most; ++i) hb[i] = __float2bfloat16(h[i]);
+    for (__nv_bfloat16* p : {a, b, c}) CUDA_CHECK(cudaMemcpy(p, hb.data(), most * 2, cudaMemcpyHostToDevice));
+
+    Gemm gemm(32u << 20);
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    std::printf("%-18s %7s %7s %7s %10s %10s\n", "product", "M", "N", "K", "ms", "TFLOP/s");
+    double block_ms = 0, block_flops = 0;
+    for (const Product& p : products) {
+      auto launch = [&] {
+        switch (p.kind) {
+          case Product::Forward:
+            gemm.linear_forward(a, b, p.bias ? b : nullptr, nullptr, c, DType::BF16, p.M, p.N, p.K, 0);
+            break;
+          case Product::InputGrad: gemm.linear_backward_input(a, b, c, p.M, p.N, p.K, 0); break;
+          case Product::WeightGrad: gemm.linear_backward_weight(a, b, out, p.bias ? x32 : nullptr, p.M, p.N, p.K, 0); break;
+        }
+      };
+      for (int i = 0; i < 5; ++i) launch();
+      std::vector<float> ms(20);
+      for (float& t : ms) {
+        CUDA_CHECK(cudaEventRecord(e0));
+        launch();
+        CUDA_CHECK(cudaEventRecord(e1));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+      }
+      const double m = median(ms), flops = 2.0 * p.M * p.N * p.K;
+      std::printf("%-18s %7d %7d %7d %10.3f %10.1f\n", p.name, p.M, p.N, p.K, m, flops / (m * 1e-3) / 1e12);
+      if (p.M != 8192) { block_ms += m; block_flops += flops; }
+    }
+    std::printf("one block's 12 GEMMs: %.3f ms, %.1f TFLOP/s\n", block_ms, block_flops / (block_ms * 1e-3) / 1e12);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gemm_rate: error: %s\n", e.what());
+    return 1;
+  }
+}
