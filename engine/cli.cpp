@@ -134,6 +134,11 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   } catch (const std::invalid_argument& e) {
     bad(std::string("invalid model shape: ") + e.what());
   }
+  try {
+    m.validate_batch(o.batch);
+  } catch (const std::invalid_argument& e) {
+    bad(std::string("--batch: ") + e.what());
+  }
   if (!warmup_given) o.warmup = std::min(o.warmup, o.steps - 1);
   if (o.warmup >= o.steps)
     bad("--warmup " + std::to_string(o.warmup) + " leaves no timed step out of --steps " + std::to_string(o.steps));

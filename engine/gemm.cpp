@@ -11,7 +11,9 @@
 namespace {
 cudaDataType_t cuda_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 size_t elem_size(DType t) { return t == DType::BF16 ? 2 : 4; }
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise; plans are cached
+// per shape, so every call must keep to that.
+bool aligned256(const void* p) { return reinterpret_cast<uintptr_t>(p) % 256 == 0; }
 std::string describe(const GemmShape& s) {
   return "M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " + std::to_string(s.K) +
          (s.trans_a ? " A^T" : " A") + (s.trans_b ? " B^T" : " B") + " lda " +
@@ -129,8 +131,9 @@ void Gemm::run(const GemmShape& s, const void* A, const void* B, const void* C, 
                const void* bias, cudaStream_t stream) {
   ENSURE(s.with_c == (C != nullptr) && (s.epilogue != Epilogue::None) == (bias != nullptr),
           "GEMM operands do not match its shape: " + describe(s));
-  ENSURE(aligned16(A) && aligned16(B) && aligned16(D) && (!C || aligned16(C)),
-          "GEMM operands must be 16-byte aligned: " + describe(s));
+  NvtxRange range("gemm");
+  ENSURE(aligned256(A) && aligned256(B) && aligned256(D) && (!C || aligned256(C)),
+         "GEMM operands must be 256-byte aligned: " + describe(s));
   ENSURE(s.lda % 8 == 0 && s.ldb % 8 == 0 && (s.ldd * elem_size(s.d_type)) % 16 == 0,
           "GEMM leading dimensions must give 16-byte rows: " + describe(s));
   const Plan& p = plan(s, A, B, C, D, bias, stream);

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -54,14 +55,14 @@ void dump_reference(Trainer& trainer, const TrainOptions& o) {
   write_safetensors(dir + "/init.safetensors", named_tensors(layout, init, ""));
   std::printf("reference dump: weights written to %s/init.safetensors\n", dir.c_str());
 
-  std::vector<std::vector<float>> images(o.steps);
-  std::vector<std::vector<int64_t>> labels(o.steps);
+  std::vector<std::vector<float>> images;
+  std::vector<std::vector<int64_t>> labels;
   std::vector<float> losses;
   for (int step = 0; step < o.steps; ++step) {
     trainer.load_batch(step);
-    images[step] = to_host(model.images(), image_floats, s);
+    images.push_back(to_host(model.images(), image_floats, s));
     const std::vector<int> l = to_host(model.labels(), B, s);
-    labels[step].assign(l.begin(), l.end());
+    labels.emplace_back(l.begin(), l.end());
     trainer.forward_backward();
     losses.push_back(to_host(model.loss(), 1, s)[0]);
     if (step == 0) {
@@ -77,6 +78,7 @@ void dump_reference(Trainer& trainer, const TrainOptions& o) {
       write_safetensors(dir + "/step0.safetensors", t);
     }
     trainer.optimizer_step(step);
+    trainer.end_step(step);
     std::printf("reference dump: step %d loss %.6f\n", step, losses.back());
     std::fflush(stdout);
   }
@@ -89,8 +91,11 @@ void dump_reference(Trainer& trainer, const TrainOptions& o) {
   write_safetensors(dir + "/batches.safetensors", batches);
   std::string lj = "{\"losses\": [";
   for (size_t i = 0; i < losses.size(); ++i) {
-    char v[40];
-    std::snprintf(v, sizeof v, "%s%.9g", i ? ", " : "", losses[i]);
+    char v[40];  // JSON has no NaN: a diverged step is null, which the checker reports as such
+    if (std::isfinite(losses[i]))
+      std::snprintf(v, sizeof v, "%s%.9g", i ? ", " : "", losses[i]);
+    else
+      std::snprintf(v, sizeof v, "%snull", i ? ", " : "");
     lj += v;
   }
   write_text_file(dir + "/losses.json", lj + "]}\n");

@@ -27,12 +27,14 @@ class Trainer {
   void load_batch(int step);        // synthetic batch of this step into model().images()/labels()
   void forward_backward();
   void optimizer_step(int step);
+  void end_step(int step);          // --timing: collects the step's event times
 
   ViT& model() { return *model_; }
   cudaStream_t stream() const { return stream_; }
 
  private:
   void print_summary() const;
+  void prepare();
 
   TrainOptions opts_;
   cudaDeviceProp props_{};

@@ -41,4 +41,10 @@ inline unsigned grid_for(size_t n, unsigned threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }
 
+// Blocks for a grid-stride loop over n elements: enough to fill any current GPU many times over,
+// never more than the work needs.
+inline unsigned grid_stride_blocks(size_t n, unsigned threads) {
+  return static_cast<unsigned>(grid_for(n, threads) < 8192u ? grid_for(n, threads) : 8192u);
+}
+
 inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -41,19 +41,23 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
   }
 }
 
+__global__ void fill_kernel(float* __restrict__ out, size_t n, float value) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = value;
+}
+
 __global__ void cast_to_bf16_kernel(const float* __restrict__ in, bf16* __restrict__ out, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16_rn(in[i]);
 }
 
 // Grid-stride launches: enough blocks to fill the GPU several times over, no more.
-unsigned blocks_for(size_t n) { return static_cast<unsigned>(std::min<size_t>(grid_for(n, kThreads), 132 * 16)); }
 }  // namespace
 
 void gelu_forward(const bf16* h, bf16* a, size_t n, cudaStream_t stream) {
   NvtxRange range("gelu_forward");
   ENSURE(n % 8 == 0 && is_aligned16(h) && is_aligned16(a), "gelu_forward: n % 8 and 16-byte alignment");
-  gelu_forward_kernel<<<blocks_for(n / 8), kThreads, 0, stream>>>(
+  gelu_forward_kernel<<<grid_stride_blocks(n / 8, kThreads), kThreads, 0, stream>>>(
       reinterpret_cast<const Bf16x8*>(h), reinterpret_cast<Bf16x8*>(a), n / 8);
   LAUNCH_CHECK();
 }
@@ -63,14 +67,20 @@ void gelu_backward(const bf16* da, const bf16* h, bf16* dh, bf16* a, size_t n, c
   ENSURE(n % 8 == 0 && is_aligned16(da) && is_aligned16(h) && is_aligned16(dh) && is_aligned16(a),
          "gelu_backward: n % 8 and 16-byte alignment");
   const auto kernel = a ? gelu_backward_kernel<true> : gelu_backward_kernel<false>;
-  kernel<<<blocks_for(n / 8), kThreads, 0, stream>>>(reinterpret_cast<const Bf16x8*>(da),
+  kernel<<<grid_stride_blocks(n / 8, kThreads), kThreads, 0, stream>>>(reinterpret_cast<const Bf16x8*>(da),
                                                       reinterpret_cast<const Bf16x8*>(h), reinterpret_cast<Bf16x8*>(dh),
                                                       reinterpret_cast<Bf16x8*>(a), n / 8);
   LAUNCH_CHECK();
 }
 
+void fill_constant(float* out, size_t n, float value, cudaStream_t stream) {
+  if (n == 0) return;
+  fill_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, n, value);
+  LAUNCH_CHECK();
+}
+
 void cast_to_bf16(const float* in, bf16* out, size_t n, cudaStream_t stream) {
   if (n == 0) return;
-  cast_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(in, out, n);
+  cast_to_bf16_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(in, out, n);
   LAUNCH_CHECK();
 }

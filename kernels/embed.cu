@@ -45,14 +45,13 @@ __global__ void embed_backward_kernel(const float* __restrict__ g, bf16* __restr
   }
 }
 
-unsigned blocks_for(size_t n) { return static_cast<unsigned>(std::min<size_t>(grid_for(n, kThreads), 132 * 16)); }
 }  // namespace
 
 void patchify(const float* images, bf16* patches, int B, int C, int img, int p, cudaStream_t stream) {
   NvtxRange range("patchify");
   ENSURE(img % p == 0, "patchify: image size not divisible by patch size");
   const size_t n = static_cast<size_t>(B) * C * img * img;
-  patchify_kernel<<<blocks_for(n), kThreads, 0, stream>>>(images, patches, B, C, img, p);
+  patchify_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(images, patches, B, C, img, p);
   LAUNCH_CHECK();
 }
 
@@ -62,7 +61,7 @@ void embed_forward(const float* patch_out, const float* cls, const float* pos, f
   ENSURE(D % 4 == 0 && is_aligned16(patch_out) && is_aligned16(cls) && is_aligned16(pos) && is_aligned16(x),
           "embed_forward: D % 4 and 16-byte alignment");
   const size_t n = static_cast<size_t>(B) * T * D / 4;
-  embed_forward_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+  embed_forward_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(
       reinterpret_cast<const float4*>(patch_out), reinterpret_cast<const float4*>(cls),
       reinterpret_cast<const float4*>(pos), reinterpret_cast<float4*>(x), B, T, D / 4);
   LAUNCH_CHECK();
@@ -71,6 +70,6 @@ void embed_forward(const float* patch_out, const float* cls, const float* pos, f
 void embed_backward(const float* g, bf16* dpatch_out, int B, int T, int D, cudaStream_t stream) {
   NvtxRange range("embed_backward");
   const size_t n = static_cast<size_t>(B) * (T - 1) * D;
-  embed_backward_kernel<<<blocks_for(n), kThreads, 0, stream>>>(g, dpatch_out, B, T, D);
+  embed_backward_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(g, dpatch_out, B, T, D);
   LAUNCH_CHECK();
 }

@@ -33,8 +33,7 @@ void sgd_momentum_step(float* params, float* momentum, const float* grads, bf16*
   ENSURE(n % 4 == 0 && is_aligned16(params) && is_aligned16(momentum) && is_aligned16(grads) &&
               is_aligned16(params_bf16),
           "sgd_momentum_step: n % 4 and 16-byte alignment");
-  const unsigned blocks = static_cast<unsigned>(std::min<size_t>(grid_for(n / 4, kThreads), 132 * 16));
-  sgd_kernel<<<blocks, kThreads, 0, stream>>>(
+  sgd_kernel<<<grid_stride_blocks(n / 4, kThreads), kThreads, 0, stream>>>(
       reinterpret_cast<float4*>(params), reinterpret_cast<float4*>(momentum),
       reinterpret_cast<const float4*>(grads), reinterpret_cast<__nv_bfloat162*>(params_bf16), n / 4, h,
       first_step);

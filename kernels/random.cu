@@ -44,21 +44,20 @@ __global__ void labels_kernel(int* labels, int n, int64_t first, int classes) {
 uint64_t make_key(uint64_t seed, uint64_t stream_id) {
   return seed * 0x2545f4914f6cdd1dull ^ (stream_id + 0x632be59bd9b4e019ull) * 0x9e3779b97f4a7c15ull;
 }
-unsigned blocks_for(size_t n) { return static_cast<unsigned>(std::min<size_t>(grid_for(n, kThreads), 132 * 16)); }
 }  // namespace
 
 void fill_normal(float* out, size_t n, uint64_t seed, uint64_t stream_id, float mean, float std, float lo,
                  float hi, cudaStream_t stream) {
   ENSURE(lo < hi, "fill_normal: empty truncation interval");
   if (n == 0) return;
-  normal_kernel<<<blocks_for(n), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), mean, std, lo, hi);
+  normal_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), mean, std, lo, hi);
   LAUNCH_CHECK();
 }
 
 void fill_uniform(float* out, size_t n, uint64_t seed, uint64_t stream_id, float lo, float hi,
                   cudaStream_t stream) {
   if (n == 0) return;
-  uniform_kernel<<<blocks_for(n), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), lo, hi);
+  uniform_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), lo, hi);
   LAUNCH_CHECK();
 }
 

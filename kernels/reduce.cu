@@ -1,4 +1,5 @@
 #include "engine/check.h"
+#include "engine/nvtx.h"
 #include "kernels/common.cuh"
 #include "kernels/reduce.h"
 
@@ -33,6 +34,7 @@ size_t colsum_partial_floats(int M, int N) {
 }
 
 void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
+  NvtxRange range("colsum");
   ENSURE(M > 0 && N > 0 && ld >= N, "colsum: bad shape");
   const int chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
   ENSURE(chunks <= 65535, "colsum: too many rows");

@@ -40,6 +40,14 @@ void ViTConfig::validate() const {
   if (img % patch != 0)
     fail("image size " + std::to_string(img) + " is not divisible by patch size " +
          std::to_string(patch));
+  // Sizes in 64 bits first: the int accessors below are only safe once these bounds hold.
+  const int64_t grid64 = img / patch, tokens64 = grid64 * grid64 + 1;
+  const int64_t patch_dim64 = int64_t(channels) * patch * patch;
+  if (tokens64 > kMaxTokens)
+    fail(std::to_string(tokens64) + " tokens per image is more than the " + std::to_string(kMaxTokens) +
+         " the kernels support");
+  if (patch_dim64 > kMaxPatchDim)
+    fail("channels*patch*patch = " + std::to_string(patch_dim64) + " is more than " + std::to_string(kMaxPatchDim));
   if (dim % heads != 0)
     fail("dim " + std::to_string(dim) + " is not divisible by heads " + std::to_string(heads));
   if (!(mlp_ratio > 0) || hidden() < 1) fail("--mlp-ratio must give a positive hidden size");
@@ -51,6 +59,14 @@ void ViTConfig::validate() const {
   if (head_dim() % 16 != 0 || head_dim() > 128)
     fail("head dim (dim/heads) must be a multiple of 16 and at most 128 for the attention "
          "kernel; got " + std::to_string(head_dim()));
+}
+
+void ViTConfig::validate_batch(int batch) const {
+  const int64_t rows = int64_t(batch) * tokens();
+  if (batch > 65535 || rows > kMaxTokenRows)
+    throw std::invalid_argument("batch " + std::to_string(batch) + " gives " + std::to_string(rows) +
+                                " token rows per step; the kernels take at most 65535 images and " +
+                                std::to_string(kMaxTokenRows) + " token rows");
 }
 
 std::string ViTConfig::describe() const {

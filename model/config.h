@@ -21,6 +21,10 @@ struct ViTConfig {
   double train_flops_per_image() const;
   // Throws std::invalid_argument naming the problem when the shape is not a valid ViT.
   void validate() const;
+  // Throws std::invalid_argument when a batch of this size exceeds what the kernels index:
+  // grids of at most 65535 images, 32-bit element counts per activation.
+  void validate_batch(int batch) const;
+  static constexpr int64_t kMaxTokens = 65536, kMaxPatchDim = 1 << 20, kMaxTokenRows = 2000000;
   std::string describe() const;
 };
 

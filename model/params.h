@@ -26,9 +26,9 @@ struct BlockParams {
 
 class ParamLayout {
  public:
-  // Each tensor starts on a 64-element boundary: 256-byte aligned in fp32, 128 in bf16, as the
-  // GEMMs and the vectorised kernels want. Padding elements are zero and stay zero.
-  static constexpr size_t kParamAlign = 64;
+  // Each tensor starts on a 128-element boundary: 256-byte aligned in bf16, the alignment
+  // cuBLASLt's algorithms assume by default. Padding elements are zero and stay zero.
+  static constexpr size_t kParamAlign = 128;
 
   explicit ParamLayout(const ViTConfig& cfg);
 

@@ -83,12 +83,7 @@ void ViT::init_params(uint64_t seed, cudaStream_t stream) {
     float* dst = params_ + t.offset;
     switch (t.init) {
       case ParamInit::Zero: break;
-      case ParamInit::One: {
-        std::vector<float> ones(t.numel, 1.0f);
-        CUDA_CHECK(cudaMemcpyAsync(dst, ones.data(), t.numel * sizeof(float), cudaMemcpyHostToDevice, stream));
-        CUDA_CHECK(cudaStreamSynchronize(stream));  // ones goes out of scope
-        break;
-      }
+      case ParamInit::One: fill_constant(dst, t.numel, 1.0f, stream); break;
       case ParamInit::TruncNormal002: fill_normal(dst, t.numel, seed, i, 0.0f, 0.02f, -2.0f, 2.0f, stream); break;
       case ParamInit::Normal1e6: fill_normal(dst, t.numel, seed, i, 0.0f, 1e-6f, -INFINITY, INFINITY, stream); break;
       case ParamInit::ConvUniform: fill_uniform(dst, t.numel, seed, i, -conv_bound, conv_bound, stream); break;

@@ -80,6 +80,11 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(usage_error({"--profile-steps", "1:99", "--steps", "10"}).find("past the last step") != std::string::npos);
   CHECK(usage_error({"--dim", "1288", "--heads", "8"}).find("head dim") != std::string::npos);
   CHECK(usage_error({"--dim", "2048", "--heads", "16"}).find("above 1536") != std::string::npos);
+  CHECK(usage_error({"--batch", "70000", "--img", "32"}).find("65535 images") != std::string::npos);
+  CHECK(usage_error({"--batch", "12000"}).find("token rows") != std::string::npos);
+  CHECK(usage_error({"--channels", "64", "--patch", "8192", "--img", "8192"}).find("channels*patch*patch") !=
+        std::string::npos);
+  CHECK(usage_error({"--img", "4096", "--patch", "8"}).find("tokens per image") != std::string::npos);
 }
 
 TEST_CASE("model: ViT-H/16 has timm's 632,199,400 parameters in 392 tensors") {
@@ -125,12 +130,17 @@ TEST_CASE("safetensors: header and data as PyTorch reads them; the write is atom
 namespace {
 // Runs ./vit_train with arguments; returns its exit code and stderr.
 int run_vit_train(const std::string& args, std::string* err) {
-  const std::string cmd = "./vit_train " + args + " 2>/tmp/vit_train_test_err >/dev/null";
+  char path[] = "/tmp/vit_train_test_err_XXXXXX";
+  const int fd = mkstemp(path);
+  REQUIRE(fd >= 0);
+  close(fd);
+  const std::string cmd = "./vit_train " + args + " 2>" + path + " >/dev/null";
   const int st = std::system(cmd.c_str());
-  std::ifstream in("/tmp/vit_train_test_err");
+  std::ifstream in(path);
   std::stringstream ss;
   ss << in.rdbuf();
   *err = ss.str();
+  std::remove(path);
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 }  // namespace
