@@ -6,6 +6,7 @@
 namespace {
 constexpr int kThreads = 256;
 constexpr int kRowsPerChunk = 64;
+constexpr int kSumWarps = 8;
 
 // Stage one: partial[chunk, col] = sum of kRowsPerChunk rows; consecutive threads read
 // consecutive columns, so each row's read is coalesced.
@@ -19,13 +20,24 @@ __global__ void colsum_partial_kernel(const float* __restrict__ x, int M, int N,
   partial[static_cast<size_t>(blockIdx.y) * N + col] = s;
 }
 
+// Stage two: a block owns 32 columns and its 8 warps split the R rows (a lane per column, so
+// each row's read is one coalesced 128-byte access), then add their sums in a fixed order.
+// A thread per column summing all R rows alone was latency-bound: ~400 dependent loads in a
+// grid of a handful of blocks for LayerNorm's weight gradients.
 __global__ void sum_rows_kernel(const float* __restrict__ partial, int R, int N, int ld,
                                 float* __restrict__ out) {
-  const int col = blockIdx.x * kThreads + threadIdx.x;
-  if (col >= N) return;
+  __shared__ float sums[kSumWarps][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, col = blockIdx.x * 32 + lane;
   float s = 0;
-  for (int r = 0; r < R; ++r) s += partial[static_cast<size_t>(r) * ld + col];
-  out[col] = s;
+  if (col < N)
+    for (int r = warp; r < R; r += kSumWarps) s += partial[static_cast<size_t>(r) * ld + col];
+  sums[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && col < N) {
+    float total = 0;
+    for (int w = 0; w < kSumWarps; ++w) total += sums[w][lane];
+    out[col] = total;
+  }
 }
 }  // namespace
 
@@ -44,6 +56,6 @@ void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cu
 }
 
 void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream_t stream) {
-  sum_rows_kernel<<<grid_for(N, kThreads), kThreads, 0, stream>>>(partial, R, N, ld, out);
+  sum_rows_kernel<<<grid_for(N, 32), kSumWarps * 32, 0, stream>>>(partial, R, N, ld, out);
   LAUNCH_CHECK();
 }

@@ -107,14 +107,17 @@ TEST_CASE("gpu: GELU forward and backward against the reference") {
 TEST_CASE("gpu: column sums") {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(std::random_device{}());
-  const int M = 333, N = 300, ld = 312;
-  const auto x = round_bf16(random_vec(rng, static_cast<size_t>(M) * ld));
-  std::vector<double> ref_sum(N, 0.0);
-  for (int r = 0; r < M; ++r)
-    for (int c = 0; c < N; ++c) ref_sum[c] += x[static_cast<size_t>(r) * ld + c];
-  DeviceBuffer<float> xf(to_f32(x)), out(N), partial(colsum_partial_floats(M, N));
-  colsum(xf.get(), M, N, ld, out.get(), partial.get(), 0);
-  CHECK(rel_error(to_f64(out.download()), ref_sum) < 1e-5);
+  for (int M : {333, 3333}) {  // fewer and more second-stage rows than its warps
+    CAPTURE(M);
+    const int N = 300, ld = 312;
+    const auto x = round_bf16(random_vec(rng, static_cast<size_t>(M) * ld));
+    std::vector<double> ref_sum(N, 0.0);
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < N; ++c) ref_sum[c] += x[static_cast<size_t>(r) * ld + c];
+    DeviceBuffer<float> xf(to_f32(x)), out(N), partial(colsum_partial_floats(M, N));
+    colsum(xf.get(), M, N, ld, out.get(), partial.get(), 0);
+    CHECK(rel_error(to_f64(out.download()), ref_sum) < 1e-5);
+  }
 }
 
 TEST_CASE("gpu: patchify and the class-token/position embedding") {

@@ -58,6 +58,11 @@ int main(int argc, char** argv) {
         {"proj weight grad", M, D, D, Product::WeightGrad, true, true},
         {"fc1 weight grad", M, H, D, Product::WeightGrad, true, true},
         {"fc2 weight grad", M, D, H, Product::WeightGrad, true, true},
+        // The same weight gradients without the fused bias gradient: what the epilogue costs.
+        {"qkv wgrad, no db", M, 3 * D, D, Product::WeightGrad, false, false},
+        {"proj wgrad, no db", M, D, D, Product::WeightGrad, false, false},
+        {"fc1 wgrad, no db", M, H, D, Product::WeightGrad, false, false},
+        {"fc2 wgrad, no db", M, D, H, Product::WeightGrad, false, false},
         {"square 8192^3", 8192, 8192, 8192, Product::Forward, false, false},
     };
     size_t most = 0;
