@@ -71,7 +71,8 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a)
   w.add(&dlogits_, B * classes_ld_);
   w.add(&dfeat_, B * D);
   w.add(&dpatch_, B * P * D);
-  const size_t partial = std::max(colsum_partial_floats(B_, T_ * cfg.dim), layernorm_partial_floats(M_, cfg.dim));
+  const size_t partial = std::max({colsum_partial_floats(B_, T_ * cfg.dim), layernorm_partial_floats(M_, cfg.dim),
+                                   gelu_backward_partial_floats(M_, cfg.hidden())});
   w.add(&partial_, partial);
 }
 
@@ -169,10 +170,10 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
     // is recomputed in the pass that applies GELU's derivative (4 GiB less for ViT-H at batch 64).
     { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dresid_bf16_, pb(w.fc2_w), dhidden_, M_, D, Hd, st); }
     { auto t = timer.op(OpKind::Gelu, st);
-      gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, static_cast<size_t>(M_) * Hd, st); }
+      gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, g(w.fc1_b), partial_, M_, Hd, st); }
     { auto t = timer.op(OpKind::Gemm, st);
       gemm.linear_backward_weight(dresid_bf16_, gelu_, g(w.fc2_w), g(w.fc2_b), M_, D, Hd, st);
-      gemm.linear_backward_weight(dhidden_, a.ln2, g(w.fc1_w), g(w.fc1_b), M_, Hd, D, st);
+      gemm.linear_backward_weight(dhidden_, a.ln2, g(w.fc1_w), nullptr, M_, Hd, D, st);
       gemm.linear_backward_input(dhidden_, pb(w.fc1_w), dln_, M_, Hd, D, st); }
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dresid_bf16_,

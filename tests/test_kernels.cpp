@@ -83,25 +83,32 @@ TEST_CASE("gpu: layernorm forward and backward against the reference") {
   }
 }
 
-TEST_CASE("gpu: GELU forward and backward against the reference") {
+TEST_CASE("gpu: GELU forward, and backward with recompute and bias gradient, against the reference") {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(std::random_device{}());
-  const size_t n = 8 * 1001;
+  const int M = 77, N = 8 * 301;  // a partial row chunk and a partial block of columns
+  const size_t n = static_cast<size_t>(M) * N;
   const auto h = round_bf16(random_vec(rng, n, -5, 5)), da = round_bf16(random_vec(rng, n));
-  std::vector<double> a_ref(n), dh_ref(n);
+  std::vector<double> a_ref(n), dh_ref(n), db_ref(N, 0.0);
   for (size_t i = 0; i < n; ++i) {
     a_ref[i] = ref::gelu(h[i]);
     dh_ref[i] = da[i] * ref::gelu_grad(h[i]);
+    db_ref[i % N] += dh_ref[i];
   }
   DeviceBuffer<bf16> dh_in(to_bf16(h)), da_in(to_bf16(da)), a(n), dh(n);
+  DeviceBuffer<float> db(N), partial(gelu_backward_partial_floats(M, N));
   gelu_forward(dh_in.get(), a.get(), n, 0);
-  gelu_backward(da_in.get(), dh_in.get(), dh.get(), nullptr, n, 0);
   CHECK(rel_error(to_f64(a.download()), a_ref) < kBf16OutTol);
-  CHECK(rel_error(to_f64(dh.download()), dh_ref) < kBf16OutTol);
   a.poison();
-  gelu_backward(da_in.get(), dh_in.get(), da_in.get(), a.get(), n, 0);  // in place + recompute, as the model runs it
-  CHECK(rel_error(to_f64(da_in.download()), dh_ref) < kBf16OutTol);
+  gelu_backward(da_in.get(), dh_in.get(), dh.get(), a.get(), db.get(), partial.get(), M, N, 0);
+  CHECK(rel_error(to_f64(dh.download()), dh_ref) < kBf16OutTol);
   CHECK(rel_error(to_f64(a.download()), a_ref) < kBf16OutTol);
+  CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-5);
+  a.poison();
+  db.poison();
+  gelu_backward(da_in.get(), dh_in.get(), da_in.get(), a.get(), db.get(), partial.get(), M, N, 0);  // in place
+  CHECK(rel_error(to_f64(da_in.download()), dh_ref) < kBf16OutTol);
+  CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-5);
 }
 
 TEST_CASE("gpu: column sums") {
