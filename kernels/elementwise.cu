@@ -6,7 +6,8 @@
 
 namespace {
 constexpr int kThreads = 256;
-constexpr int kBackwardRows = 32;  // rows of one thread in gelu_backward, and of one partial row
+constexpr int kBackwardRows = 32;      // rows of one thread in gelu_backward, and of one partial row
+constexpr int kBackwardThreads = 128;  // 5 full blocks across ViT-H's 5120 columns (640 x 8)
 
 __device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
 __device__ __forceinline__ float gelu_grad(float x) {
@@ -30,10 +31,11 @@ __global__ void gelu_forward_kernel(const Bf16x8* __restrict__ h, Bf16x8* __rest
 // row per row chunk. (cuBLASLt's BGRADB epilogue on fc1's weight gradient cost 60 us a block.)
 __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict__ h, Bf16x8* dh,
                                      Bf16x8* __restrict__ a, float* __restrict__ partial, int M, int N8) {
-  const int c = blockIdx.x * kThreads + threadIdx.x;
+  const int c = blockIdx.x * kBackwardThreads + threadIdx.x;
   if (c >= N8) return;
   const int r0 = blockIdx.y * kBackwardRows, r1 = min(M, r0 + kBackwardRows);
   float sum[8] = {};
+#pragma unroll 4  // several rows' loads in flight per thread
   for (int r = r0; r < r1; ++r) {
     const size_t i = static_cast<size_t>(r) * N8 + c;
     float d[8], x[8];
@@ -84,7 +86,7 @@ void gelu_backward(const bf16* da, const bf16* h, bf16* dh, bf16* a, float* db, 
          "gelu_backward: N % 8 and 16-byte alignment");
   const unsigned chunks = grid_for(M, kBackwardRows);
   ENSURE(chunks <= 65535, "gelu_backward: too many rows");
-  gelu_backward_kernel<<<dim3(grid_for(N / 8, kThreads), chunks), kThreads, 0, stream>>>(
+  gelu_backward_kernel<<<dim3(grid_for(N / 8, kBackwardThreads), chunks), kBackwardThreads, 0, stream>>>(
       reinterpret_cast<const Bf16x8*>(da), reinterpret_cast<const Bf16x8*>(h), reinterpret_cast<Bf16x8*>(dh),
       reinterpret_cast<Bf16x8*>(a), partial, M, N / 8);
   LAUNCH_CHECK();
