@@ -35,20 +35,34 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
   if (c >= N8) return;
   const int r0 = blockIdx.y * kBackwardRows, r1 = min(M, r0 + kBackwardRows);
   float sum[8] = {};
-#pragma unroll 4  // several rows' loads in flight per thread
-  for (int r = r0; r < r1; ++r) {
-    const size_t i = static_cast<size_t>(r) * N8 + c;
-    float d[8], x[8];
-    da[i].to_float(d);
-    h[i].to_float(x);
+  // kInFlight rows' loads are issued before any store: dh may alias da, so the compiler could
+  // not hoist them itself, and one row at a time left each thread waiting on memory.
+  constexpr int kInFlight = 4;
+  for (int r = r0; r < r1; r += kInFlight) {
+    Bf16x8 dav[kInFlight], hv[kInFlight];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      d[j] *= gelu_grad(x[j]);
-      sum[j] += d[j];
-      x[j] = gelu(x[j]);
+    for (int k = 0; k < kInFlight; ++k) {
+      if (r + k >= r1) break;
+      const size_t i = static_cast<size_t>(r + k) * N8 + c;
+      dav[k] = da[i];
+      hv[k] = h[i];
     }
-    dh[i] = Bf16x8::from_float(d);
-    a[i] = Bf16x8::from_float(x);
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      if (r + k >= r1) break;
+      const size_t i = static_cast<size_t>(r + k) * N8 + c;
+      float d[8], x[8];
+      dav[k].to_float(d);
+      hv[k].to_float(x);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        d[j] *= gelu_grad(x[j]);
+        sum[j] += d[j];
+        x[j] = gelu(x[j]);
+      }
+      dh[i] = Bf16x8::from_float(d);
+      a[i] = Bf16x8::from_float(x);
+    }
   }
   float4* out = reinterpret_cast<float4*>(partial + (static_cast<size_t>(blockIdx.y) * N8 + c) * 8);
   out[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
