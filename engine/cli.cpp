@@ -42,12 +42,20 @@ std::string usage() {
              "  --batch N              images per step (default 64)\n"
              "  --steps N              training steps (default 50)\n"
              "  --warmup N             first steps left out of the timing summary (default 10, less if --steps is small)\n"
-             "  --seed N               seed of the initial weights and the synthetic data (default 0)\n"
+             "  --seed N               seed of the initial weights, the synthetic data and the shuffling (default 0)\n"
+             "data:\n"
+             "  --data D               synthetic (default: N(0,1) images, label = index % classes, made on the GPU)\n"
+             "                         or fashion-mnist[:DIR] (IDX files, default DIR /usr/share/datasets/fashion-mnist;\n"
+             "                         needs --img 28 --channels 1 --classes 10)\n"
+             "  --epochs N             passes over the training set, shuffled each epoch (instead of --steps)\n"
+             "  --eval-every N         top-1 on the test set every N steps (default: after each epoch)\n"
              "model (a preset, then any override):\n"
              "  --model NAME           ") + vit_preset_names() + " (default vit_h16)\n"
          "  --img N --patch N --channels N --classes N --dim N --depth N --heads N --mlp-ratio X\n"
          "optimizer (torch.optim.SGD semantics, fp32 master weights and momentum):\n"
          "  --lr X (0.001)  --momentum X (0.9)  --weight-decay X (0, L2 added to the gradient)  --nesterov\n"
+         "  --lr-schedule S        constant (default) or cosine (to zero at the last step)\n"
+         "  --warmup-steps N       linear learning-rate warm-up over the first N steps (default 0)\n"
          "output and profiling:\n"
          "  --log-every N          print a progress line every N steps (default 10)\n"
          "  --timing               per-phase and per-op-kind CUDA-event breakdown (synchronises each step)\n"
@@ -61,7 +69,7 @@ std::string usage() {
 
 TrainOptions parse_args(const std::vector<std::string>& args) {
   TrainOptions o;
-  bool warmup_given = false;
+  bool steps_given = false;
   // The preset first, so that overrides apply whatever their position.
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--model") {
@@ -82,8 +90,25 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
          o.precision = v;
        }},
       {"--batch", [&](const std::string& f, const std::string& v) { o.batch = parse_int(f, v, 1, kBig); }},
-      {"--steps", [&](const std::string& f, const std::string& v) { o.steps = parse_int(f, v, 1, 1 << 30); }},
-      {"--warmup", [&](const std::string& f, const std::string& v) { o.warmup = parse_int(f, v, 0, 1 << 30); warmup_given = true; }},
+      {"--steps", [&](const std::string& f, const std::string& v) { o.steps = parse_int(f, v, 1, 1 << 30); steps_given = true; }},
+      {"--epochs", [&](const std::string& f, const std::string& v) { o.epochs = parse_int(f, v, 1, 100000); }},
+      {"--warmup", [&](const std::string& f, const std::string& v) { o.warmup = parse_int(f, v, 0, 1 << 30); }},
+      {"--data", [&](const std::string& f, const std::string& v) {
+         const std::string kind = v.substr(0, v.find(':'));
+         if (kind != "synthetic" && kind != "fashion-mnist")
+           bad("unknown dataset '" + v + "'; choose synthetic or fashion-mnist[:DIR]");
+         o.data = kind;
+         o.data_dir = v.find(':') == std::string::npos ? "" : v.substr(v.find(':') + 1);
+         if (kind == "synthetic" && !o.data_dir.empty()) bad(f + " synthetic takes no directory");
+         if (kind == "fashion-mnist" && v.find(':') != std::string::npos && o.data_dir.empty())
+           bad(f + " fashion-mnist: needs a directory after the colon");
+       }},
+      {"--eval-every", [&](const std::string& f, const std::string& v) { o.eval_every = parse_int(f, v, 1, 1 << 30); }},
+      {"--lr-schedule", [&](const std::string& f, const std::string& v) {
+         if (v != "constant" && v != "cosine") bad("unknown " + f + " '" + v + "'; choose constant or cosine");
+         o.lr_schedule = v;
+       }},
+      {"--warmup-steps", [&](const std::string& f, const std::string& v) { o.warmup_steps = parse_int(f, v, 0, 1 << 30); }},
       {"--seed", [&](const std::string& f, const std::string& v) { o.seed = parse_int(f, v, 0, (1LL << 62)); }},
       {"--img", [&](const std::string& f, const std::string& v) { m.img = parse_int(f, v, 1, 8192); }},
       {"--patch", [&](const std::string& f, const std::string& v) { m.patch = parse_int(f, v, 1, 8192); }},
@@ -139,11 +164,29 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   } catch (const std::invalid_argument& e) {
     bad(std::string("--batch: ") + e.what());
   }
-  if (!warmup_given) o.warmup = std::min(o.warmup, o.steps - 1);
-  if (o.warmup >= o.steps)
-    bad("--warmup " + std::to_string(o.warmup) + " leaves no timed step out of --steps " + std::to_string(o.steps));
   if (o.nesterov && o.momentum <= 0) bad("--nesterov needs a positive --momentum (as in torch.optim.SGD)");
-  if (o.profile_first >= 0 && o.profile_last >= o.steps)
-    bad("--profile-steps goes past the last step (" + std::to_string(o.steps - 1) + ")");
+  if (o.data == "synthetic") {
+    if (o.epochs > 0) bad("--epochs needs a dataset with a size (--data fashion-mnist); use --steps");
+    if (o.eval_every > 0) bad("--eval-every needs a dataset with a test split (--data fashion-mnist)");
+  } else {
+    if (m.img != 28 || m.channels != 1 || m.classes != 10)
+      bad("--data fashion-mnist holds 28x28 grey images of 10 classes: give --img 28 --channels 1 --classes 10");
+    if (o.data_dir.empty()) o.data_dir = "/usr/share/datasets/fashion-mnist";
+  }
+  if (o.epochs > 0 && steps_given) bad("give --steps or --epochs, not both");
+  if (o.epochs == 0) set_total_steps(o, o.steps);
   return o;
+}
+
+void set_total_steps(TrainOptions& o, int steps) {
+  o.steps = steps;
+  if (steps < 1) bad("the run has no step: the dataset holds fewer images than one --batch");
+  if (o.warmup < 0) o.warmup = std::min(10, steps - 1);
+  if (o.warmup >= steps)
+    bad("--warmup " + std::to_string(o.warmup) + " leaves no timed step out of " + std::to_string(steps) + " steps");
+  if (o.profile_first >= 0 && o.profile_last >= steps)
+    bad("--profile-steps goes past the last step (" + std::to_string(steps - 1) + ")");
+  if (o.warmup_steps >= steps && o.warmup_steps > 0)
+    bad("--warmup-steps " + std::to_string(o.warmup_steps) + " is not shorter than the run's " + std::to_string(steps) +
+        " steps");
 }

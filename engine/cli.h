@@ -12,11 +12,17 @@ struct TrainOptions {
   int gpus = 1;
   std::string precision = "bf16";
   int batch = 64;
-  int steps = 50;
-  int warmup = 10;  // steps left out of the timing summary; capped below --steps unless given
+  int steps = 50;   // with --epochs, set by set_total_steps() once the dataset's size is known
+  int epochs = 0;   // 0: --steps counts the run
+  int warmup = -1;  // steps left out of the timing summary; -1: min(10, steps - 1)
   uint64_t seed = 0;
+  std::string data = "synthetic";  // or "fashion-mnist"
+  std::string data_dir;            // fashion-mnist: the IDX files' folder
+  int eval_every = 0;              // steps between test-set evaluations; 0: at each epoch's end
   double lr = 0.001, momentum = 0.9, weight_decay = 0.0;
   bool nesterov = false;
+  std::string lr_schedule = "constant";  // or "cosine"
+  int warmup_steps = 0;                  // linear learning-rate warm-up
   int log_every = 10;
   bool timing = false;
   bool gemm_autotune = true;  // time cuBLASLt's candidate algorithms per GEMM shape
@@ -28,4 +34,7 @@ struct TrainOptions {
 
 // Throws UsageError naming the flag and the problem.
 TrainOptions parse_args(const std::vector<std::string>& args);
+// Sets the run's length (from --steps, or --epochs once the dataset is read), resolves the
+// default timing warm-up and checks the flags that depend on it.
+void set_total_steps(TrainOptions& o, int steps);
 std::string usage();

@@ -11,6 +11,7 @@
 #include "engine/check.h"
 #include "engine/nvtx.h"
 #include "kernels/attention.h"
+#include "kernels/data.h"
 #include "kernels/optimizer.h"
 #include "kernels/random.h"
 
@@ -69,6 +70,14 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
   const ViTConfig& cfg = opts_.model;
   const std::string why = attention_unsupported_reason(cfg.tokens(), cfg.head_dim());
   if (!why.empty()) throw UsageError("this model's attention shape is not supported: " + why);
+  if (opts_.data == "fashion-mnist") {
+    dataset_ = std::make_unique<FashionMnist>(opts_.data_dir);
+    if (opts_.epochs > 0) set_total_steps(opts_, opts_.epochs * (dataset_->train.count / opts_.batch));
+  }
+  schedule_.kind = opts_.lr_schedule == "cosine" ? LrSchedule::Kind::Cosine : LrSchedule::Kind::Constant;
+  schedule_.base = opts_.lr;
+  schedule_.warmup_steps = opts_.warmup_steps;
+  schedule_.total_steps = opts_.steps;
 
   // Everything the run needs, checked against free memory before anything is allocated.
   gemm_workspace_ = kGemmWorkspace;
@@ -93,6 +102,15 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
   timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 20 * cfg.depth);  // ~16 scopes a block
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (dataset_) {
+    train_loader_ = std::make_unique<DataLoader>(dataset_->train, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
+                                                 true, opts_.seed);
+    test_loader_ = std::make_unique<DataLoader>(dataset_->test, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
+                                                false, opts_.seed);
+    CUDA_CHECK(cudaMalloc(&loss_sum_, sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&correct_, sizeof(int)));
+    CUDA_CHECK(cudaMemset(loss_sum_, 0, sizeof(float)));
+  }
   model_->init_params(opts_.seed, stream_);
   prepare();
 }
@@ -110,6 +128,9 @@ void Trainer::prepare() {
 void Trainer::end_step(int step) { timer_->finish_step(step >= opts_.warmup); }
 
 Trainer::~Trainer() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  cudaFree(loss_sum_);
+  cudaFree(correct_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -125,8 +146,13 @@ void Trainer::print_summary() const {
   std::printf("  precision   %s: bf16 GEMMs and attention with fp32 accumulation; fp32 LayerNorm, softmax, loss,\n"
               "              residual stream, master weights, gradients and momentum\n",
               opts_.precision.c_str());
-  std::printf("  training    batch %d, %d steps (%d warm-up), SGD lr %g momentum %g weight decay %g%s, seed %llu\n",
-              opts_.batch, opts_.steps, opts_.warmup, opts_.lr, opts_.momentum, opts_.weight_decay,
+  if (dataset_)
+    std::printf("  data        Fashion-MNIST from %s: %d training images (%d batches an epoch, shuffled), %d test\n",
+                opts_.data_dir.c_str(), dataset_->train.count, train_loader_->batches_per_epoch(), dataset_->test.count);
+  else
+    std::printf("  data        synthetic: N(0, 1) images, label = sample index %% classes, made on the GPU\n");
+  std::printf("  training    batch %d, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",
+              opts_.batch, opts_.steps, opts_.warmup, schedule_.describe().c_str(), opts_.momentum, opts_.weight_decay,
               opts_.nesterov ? " nesterov" : "", static_cast<unsigned long long>(opts_.seed));
   std::printf("  model FLOPs %.1f GFLOP per image per training step\n", cfg.train_flops_per_image() / 1e9);
   std::printf("  memory      (allocated once, at start-up)\n");
@@ -141,8 +167,13 @@ void Trainer::print_summary() const {
 }
 
 void Trainer::load_batch(int step) {
-  NvtxRange range("synthetic batch");
   auto t = timer_->op(OpKind::Data, stream_);
+  if (train_loader_) {
+    const int per_epoch = train_loader_->batches_per_epoch();
+    train_loader_->load(step / per_epoch, step % per_epoch, model_->images(), model_->labels(), stream_);
+    return;
+  }
+  NvtxRange range("synthetic batch");
   const ViTConfig& cfg = opts_.model;
   const size_t n = static_cast<size_t>(opts_.batch) * cfg.channels * cfg.img * cfg.img;
   // The seed's synthetic data: N(0, 1) images, label = global sample index % classes.
@@ -159,10 +190,51 @@ void Trainer::optimizer_step(int step) {
   NvtxRange range("optimizer");
   auto phase = timer_->phase(Phase::Optimizer, stream_);
   auto t = timer_->op(OpKind::Optimizer, stream_);
-  const SgdHyper h{static_cast<float>(opts_.lr), static_cast<float>(opts_.momentum),
+  const SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
                    static_cast<float>(opts_.weight_decay), opts_.nesterov};
   sgd_momentum_step(model_->params(), model_->momentum(), model_->grads(), model_->params_bf16(),
                     model_->layout().total(), h, step == 0, stream_);
+}
+
+double Trainer::evaluate() {
+  NvtxRange range("evaluation");
+  OpTimer untimed(false);
+  CUDA_CHECK(cudaMemsetAsync(correct_, 0, sizeof(int), stream_));
+  for (int i = 0; i < test_loader_->batches_per_epoch(); ++i) {
+    const int real = test_loader_->load(0, i, model_->images(), model_->labels(), stream_);
+    model_->forward(stream_, *gemm_, untimed);
+    count_correct(model_->logits(), model_->logits_ld(), opts_.model.classes, model_->labels(), real, correct_, stream_);
+  }
+  int correct = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&correct, correct_, sizeof(int), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return static_cast<double>(correct) / dataset_->test.count;
+}
+
+// After a step on real data: at an epoch's end, its mean training loss; at an evaluation point
+// (--eval-every, else each epoch's end, and the last step), the test top-1.
+void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epochs) {
+  const int per_epoch = train_loader_->batches_per_epoch();
+  const bool epoch_end = (step + 1) % per_epoch == 0, last = step + 1 == opts_.steps;
+  const bool eval_now = opts_.eval_every > 0 ? ((step + 1) % opts_.eval_every == 0 || last) : (epoch_end || last);
+  double train_loss = NAN, top1 = NAN;
+  if (epoch_end) {
+    float sum = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&sum, loss_sum_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, sizeof(float), stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    train_loss = sum / per_epoch;
+  }
+  if (eval_now) {
+    top1 = evaluate();
+    std::printf("  eval after step %d (epoch %.2f): test top-1 %.2f%% of %d images, lr %.4g\n", step + 1,
+                (step + 1) / static_cast<double>(per_epoch), 100 * top1, dataset_->test.count, schedule_.at(step));
+  }
+  if (epoch_end) {
+    epochs.push_back({(step + 1) / per_epoch, train_loss, top1});
+    std::printf("  epoch %d done: mean training loss %.4f\n", epochs.back().epoch, train_loss);
+  }
+  std::fflush(stdout);
 }
 
 void Trainer::train() {
@@ -175,6 +247,7 @@ void Trainer::train() {
     CUDA_CHECK(cudaEventCreate(&end[i]));
   }
   std::vector<double> step_ms;  // every step's time, warm-up included
+  std::vector<EpochResult> epochs;
   float* loss_host = nullptr;
   CUDA_CHECK(cudaMallocHost(&loss_host, sizeof(float)));
   std::printf("\n%11s %10s %10s %10s %10s %7s\n", "step", "loss", "ms/step", "images/s", "TFLOP/s", "MFU");
@@ -189,6 +262,7 @@ void Trainer::train() {
       load_batch(step);
       forward_backward();
       optimizer_step(step);
+      if (loss_sum_) accumulate(model_->loss(), loss_sum_, stream_);
       CUDA_CHECK(cudaEventRecord(end[slot], stream_));
     }
     end_step(step);
@@ -216,6 +290,16 @@ void Trainer::train() {
         throw RuntimeError("the loss is not finite (" + std::to_string(*loss_host) + ") at step " +
                            std::to_string(step + 1) + "; stopping");
       window_start = step + 1;
+    }
+    if (dataset_) record_epoch_and_evaluate(step, epochs);
+  }
+  if (!epochs.empty()) {
+    std::printf("\n%7s %12s %12s\n", "epoch", "train loss", "test top-1");
+    for (const EpochResult& e : epochs) {
+      if (std::isnan(e.top1))
+        std::printf("%7d %12.4f %12s\n", e.epoch, e.train_loss, "-");
+      else
+        std::printf("%7d %12.4f %11.2f%%\n", e.epoch, e.train_loss, 100 * e.top1);
     }
   }
   CUDA_CHECK(cudaFreeHost(loss_host));

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Makes sure the test tiers' build dependencies (Eigen, doctest: Debian packages) are present.
+# Makes sure the test tiers' build dependencies (zlib, Eigen, doctest: Debian packages) are
+# present. The Fashion-MNIST files (dataset-fashion-mnist) are optional: without them the test
+# on the real files reports itself skipped.
 set -euo pipefail
 missing=()
+[ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
 [ -f /usr/include/eigen3/Eigen/Core ] || missing+=(libeigen3-dev)
 [ -f /usr/include/doctest/doctest.h ] || missing+=(doctest-dev)
 [ ${#missing[@]} -eq 0 ] && exit 0

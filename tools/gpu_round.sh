@@ -5,7 +5,8 @@
 #   3. the speed round: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh), then the
 #      engine's per-phase breakdown (--timing)
 #   4. the reference tier on ViT-H itself
-# and, on request, timing_heuristic (the breakdown with cuBLASLt's heuristic GEMM choices) and
+# and, on request, fashion_bf16 (the Fashion-MNIST recipe of the FP8 issue, in bf16; the IDX
+# files from $FASHION_MNIST, default /usr/share/datasets/fashion-mnist), timing_heuristic (the breakdown with cuBLASLt's heuristic GEMM choices) and
 # ncu (Nsight Compute's speed-of-light of each non-GEMM kernel and each GEMM of one block).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small bench timing ref_h)
@@ -36,6 +37,10 @@ for part in $parts; do
     bench) OUT=$OUT run bench tools/bench.sh
       run gemm_rate ./gemm_rate ;;
     timing) run timing ./vit_train --steps 15 --warmup 5 --timing ;;
+    fashion_bf16)
+      run fashion_bf16 ./vit_train --data "fashion-mnist:${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}" \
+        --img 28 --patch 4 --channels 1 --classes 10 --dim 192 --depth 6 --heads 3 --batch 128 --epochs 10 \
+        --lr 0.1 --momentum 0.9 --lr-schedule cosine --warmup-steps 468 --log-every 117 ;;
     timing_heuristic) run timing_heuristic ./vit_train --steps 15 --warmup 5 --timing --no-gemm-autotune ;;
     ncu)  # ViT-H shapes at depth 2: every kernel kind once, GEMMs with the heuristic's choice
       run ncu ncu --clock-control none --section SpeedOfLight --launch-count 40 \

@@ -1,0 +1,239 @@
+// Datasets: IDX parsing and its bad inputs, the real Fashion-MNIST files, epoch shuffling, the
+// learning-rate schedule (CPU); pixel normalisation, top-1 counting and the loader (GPU).
+#include <doctest/doctest.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "engine/check.h"
+#include "engine/cli.h"
+#include "engine/data_loader.h"
+#include "engine/dataset.h"
+#include "engine/schedule.h"
+#include "kernels/data.h"
+#include "tests/gpu_util.h"
+#include "tests/harness.h"
+
+namespace {
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char p[] = "/tmp/vit_data_XXXXXX";
+    REQUIRE(mkdtemp(p) != nullptr);
+    path = p;
+  }
+  ~TempDir() { std::system(("rm -rf " + path).c_str()); }
+};
+
+void put_be32(std::vector<uint8_t>& b, uint32_t v) {
+  for (int s = 24; s >= 0; s -= 8) b.push_back(static_cast<uint8_t>(v >> s));
+}
+
+void write_bytes(const std::string& path, const std::vector<uint8_t>& b, bool gz) {
+  if (gz) {
+    gzFile f = gzopen(path.c_str(), "wb");
+    REQUIRE(f != nullptr);
+    REQUIRE(gzwrite(f, b.data(), static_cast<unsigned>(b.size())) == static_cast<int>(b.size()));
+    gzclose(f);
+  } else {
+    FILE* f = std::fopen(path.c_str(), "wb");
+    REQUIRE(f != nullptr);
+    std::fwrite(b.data(), 1, b.size(), f);
+    std::fclose(f);
+  }
+}
+
+// An IDX pair of n images of r x c pixels with the given labels.
+void write_idx(const std::string& images, const std::string& labels, int n, int r, int c,
+               const std::vector<uint8_t>& label_values, bool gz) {
+  std::vector<uint8_t> img, lab;
+  put_be32(img, 0x803);
+  put_be32(img, n);
+  put_be32(img, r);
+  put_be32(img, c);
+  for (int i = 0; i < n * r * c; ++i) img.push_back(static_cast<uint8_t>(i * 7));
+  put_be32(lab, 0x801);
+  put_be32(lab, static_cast<uint32_t>(label_values.size()));
+  lab.insert(lab.end(), label_values.begin(), label_values.end());
+  write_bytes(images, img, gz);
+  write_bytes(labels, lab, gz);
+}
+
+std::string read_error(const std::string& images, const std::string& labels) {
+  try {
+    read_idx(images, labels, 10);
+  } catch (const RuntimeError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("dataset: IDX files, plain and gzip, and every malformed one named") {
+  TempDir d;
+  const std::string im = d.path + "/im", lb = d.path + "/lb";
+  for (bool gz : {false, true}) {
+    CAPTURE(gz);
+    write_idx(im, lb, 3, 2, 4, {1, 9, 0}, gz);
+    const ImageSet s = read_idx(im, lb, 10);
+    CHECK(s.count == 3);
+    CHECK(s.rows == 2);
+    CHECK(s.cols == 4);
+    CHECK(s.pixels.size() == 24u);
+    CHECK(s.pixels[5] == 35);
+    CHECK(s.labels == std::vector<uint8_t>{1, 9, 0});
+  }
+  write_idx(im, lb, 3, 2, 4, {1, 10, 0}, false);
+  CHECK(read_error(im, lb).find("label 10 of item 1") != std::string::npos);
+  write_idx(im, lb, 3, 2, 4, {1, 2}, false);
+  CHECK(read_error(im, lb).find("holds 2 labels but") != std::string::npos);
+  write_idx(im, lb, 3, 2, 4, {1, 2, 3}, false);
+  truncate(im.c_str(), 30);
+  CHECK(read_error(im, lb).find("truncated") != std::string::npos);
+  write_bytes(im, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, false);
+  CHECK(read_error(im, lb).find("not an IDX file") != std::string::npos);
+  CHECK(read_error(d.path + "/missing", lb).find("cannot open") != std::string::npos);
+  CHECK_THROWS_WITH_AS(FashionMnist(d.path), doctest::Contains("Fashion-MNIST: no "), RuntimeError);
+}
+
+TEST_CASE("dataset: the Debian package's Fashion-MNIST, with the normalisation's statistics") {
+  if (access((std::string(FashionMnist::kDefaultDir) + "/train-images-idx3-ubyte.gz").c_str(), R_OK) != 0) {
+    mark_skipped();  // dataset-fashion-mnist is not installed here
+    return;
+  }
+  const FashionMnist f(FashionMnist::kDefaultDir);
+  CHECK(f.train.count == 60000);
+  CHECK(f.test.count == 10000);
+  std::vector<int> per_class(10, 0);
+  for (uint8_t l : f.train.labels) ++per_class[l];
+  for (int c : per_class) CHECK(c == 6000);
+  double sum = 0, sq = 0;
+  for (uint8_t p : f.train.pixels) {
+    sum += p / 255.0;
+    sq += (p / 255.0) * (p / 255.0);
+  }
+  const double n = static_cast<double>(f.train.pixels.size()), mean = sum / n;
+  CHECK(mean == doctest::Approx(FashionMnist::kMean).epsilon(2e-3));
+  CHECK(std::sqrt(sq / n - mean * mean) == doctest::Approx(FashionMnist::kStd).epsilon(2e-3));
+}
+
+TEST_CASE("dataset: each epoch visits every image once, in an order fixed by seed and epoch") {
+  const std::vector<int> a = epoch_order(1000, 5, 0), b = epoch_order(1000, 5, 0);
+  CHECK(a == b);
+  CHECK(std::set<int>(a.begin(), a.end()).size() == 1000u);
+  CHECK(*std::min_element(a.begin(), a.end()) == 0);
+  CHECK(*std::max_element(a.begin(), a.end()) == 999);
+  CHECK(epoch_order(1000, 5, 1) != a);
+  CHECK(epoch_order(1000, 6, 0) != a);
+}
+
+TEST_CASE("schedule: linear warm-up, then constant or cosine to zero") {
+  LrSchedule s;
+  s.base = 0.1;
+  s.warmup_steps = 10;
+  s.total_steps = 110;
+  CHECK(s.at(0) == doctest::Approx(0.01));
+  CHECK(s.at(9) == doctest::Approx(0.1));
+  CHECK(s.at(50) == doctest::Approx(0.1));
+  s.kind = LrSchedule::Kind::Cosine;
+  CHECK(s.at(4) == doctest::Approx(0.05));
+  CHECK(s.at(10) == doctest::Approx(0.1));
+  CHECK(s.at(60) == doctest::Approx(0.05));
+  CHECK(s.at(109) == doctest::Approx(0.1 * 0.5 * (1 + std::cos(M_PI * 99 / 100))));
+  CHECK(s.at(110) == doctest::Approx(0.0));
+}
+
+TEST_CASE("cli: data, epochs, evaluation and schedule flags") {
+  auto parse = [](std::vector<std::string> a) { return parse_args(a); };
+  const std::vector<std::string> fm = {"--data", "fashion-mnist:/some/dir", "--img", "28", "--patch", "4", "--channels",
+                                       "1", "--classes", "10", "--dim", "192", "--heads", "3", "--depth", "6"};
+  TrainOptions o = parse(fm);
+  CHECK(o.data == "fashion-mnist");
+  CHECK(o.data_dir == "/some/dir");
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = fm;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  o = parse(with({"--epochs", "10", "--lr-schedule", "cosine", "--warmup-steps", "468", "--eval-every", "100"}));
+  CHECK(o.epochs == 10);
+  CHECK(o.lr_schedule == "cosine");
+  CHECK(o.warmup_steps == 468);
+  set_total_steps(o, 4680);
+  CHECK(o.steps == 4680);
+  CHECK(o.warmup == 10);
+  auto error = [&](std::vector<std::string> a) {
+    try {
+      parse(a);
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(error({"--data", "imagenet"}).find("unknown dataset") != std::string::npos);
+  CHECK(error({"--data", "fashion-mnist"}).find("--img 28 --channels 1 --classes 10") != std::string::npos);
+  CHECK(error({"--epochs", "2"}).find("--epochs needs a dataset") != std::string::npos);
+  CHECK(error({"--eval-every", "5"}).find("test split") != std::string::npos);
+  CHECK(error(with({"--epochs", "2", "--steps", "5"})).find("not both") != std::string::npos);
+  CHECK(error({"--lr-schedule", "step"}).find("unknown --lr-schedule") != std::string::npos);
+  CHECK(error({"--steps", "10", "--warmup-steps", "10"}).find("--warmup-steps 10") != std::string::npos);
+}
+
+TEST_CASE("gpu: pixel normalisation, top-1 counting and the test-set loader") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  // Ties go to the lowest class, as torch.argmax; rows past n_valid are not counted.
+  const int C = 10, ld = 16, B = 6;
+  std::vector<float> logits(B * ld, -1.0f);
+  std::vector<int> labels = {3, 3, 0, 9, 5, 5};
+  logits[0 * ld + 3] = 2;                        // right
+  logits[1 * ld + 3] = 2; logits[1 * ld + 1] = 2;  // tie, lowest wins: 1, wrong
+  logits[2 * ld + 0] = 1;                        // right
+  logits[3 * ld + 9] = 0.5f;                     // right
+  logits[4 * ld + 5] = 3;                        // right, but past n_valid = 4
+  DeviceBuffer<float> dl(logits);
+  DeviceBuffer<int> dlab(labels), correct(1);
+  CUDA_CHECK(cudaMemset(correct.get(), 0, 4));
+  count_correct(dl.get(), ld, C, dlab.get(), 4, correct.get(), 0);
+  CHECK(correct.download()[0] == 3);
+
+  ImageSet set;
+  set.count = 10;
+  set.rows = 2;
+  set.cols = 3;
+  for (int i = 0; i < 60; ++i) set.pixels.push_back(static_cast<uint8_t>(rng() % 256));
+  for (int i = 0; i < 10; ++i) set.labels.push_back(static_cast<uint8_t>(i % 7));
+  DataLoader loader(set, 4, 0.25f, 0.5f, false, 0);
+  CHECK(loader.batches_per_epoch() == 3);
+  DeviceBuffer<float> images(4 * 6);
+  DeviceBuffer<int> lab(4);
+  CHECK(loader.load(0, 2, images.get(), lab.get(), 0) == 2);  // images 8 and 9, then padding
+  const auto got = images.download();
+  const auto got_labels = lab.download();
+  for (int b = 0; b < 2; ++b) {
+    CHECK(got_labels[b] == set.labels[8 + b]);
+    for (int p = 0; p < 6; ++p)
+      CHECK(got[b * 6 + p] == doctest::Approx((set.pixels[(8 + b) * 6 + p] / 255.0 - 0.25) / 0.5));
+  }
+  CHECK(got_labels[2] == 0);
+  DataLoader shuffled(set, 4, 0.25f, 0.5f, true, 3);
+  CHECK(shuffled.batches_per_epoch() == 2);  // the last partial batch is dropped in training
+  std::set<int> seen;
+  for (int i = 0; i < 2; ++i) {
+    shuffled.load(0, i, images.get(), lab.get(), 0);
+    const auto g = images.download();
+    for (int b = 0; b < 4; ++b)
+      for (int k = 0; k < 10; ++k)
+        if (std::abs(g[b * 6] - (set.pixels[k * 6] / 255.0 - 0.25) / 0.5) < 1e-6 &&
+            std::abs(g[b * 6 + 1] - (set.pixels[k * 6 + 1] / 255.0 - 0.25) / 0.5) < 1e-6)
+          seen.insert(k);
+  }
+  CHECK(seen.size() == 8u);  // eight distinct images in the epoch's two batches
+}
