@@ -9,8 +9,17 @@
 #include "engine/nvtx.h"
 
 namespace {
-cudaDataType_t cuda_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
-size_t elem_size(DType t) { return t == DType::BF16 ? 2 : 4; }
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F32: return CUDA_R_32F;
+    case DType::E4M3: return CUDA_R_8F_E4M3;
+    case DType::E5M2: return CUDA_R_8F_E5M2;
+  }
+  return CUDA_R_32F;
+}
+size_t elem_size(DType t) { return t == DType::F32 ? 4 : t == DType::BF16 ? 2 : 1; }
+bool is_fp8(DType t) { return t == DType::E4M3 || t == DType::E5M2; }
 // cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise; plans are cached
 // per shape, so every call must keep to that.
 bool aligned256(const void* p) { return reinterpret_cast<uintptr_t>(p) % 256 == 0; }
@@ -41,8 +50,19 @@ Gemm::~Gemm() {
 // column-major product D^T = op(B)^T op(A)^T: cuBLASLt's "A" is our B and its "B" is our A,
 // with m = N, n = M, and each operand's transpose flag kept (a row-major [r, c] matrix is a
 // column-major [c, r] one, which is exactly the transposition the swap needs).
+// The per-call operands a plan's descriptor carries: the epilogue's vector and the FP8 scales
+// (cuBLASLt's A is our B, its B our A).
+void Gemm::set_pointers(const Plan& p, const void* bias, const float* a_scale, const float* b_scale) {
+  if (bias)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  if (b_scale)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_scale, sizeof(b_scale)));
+  if (a_scale)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale, sizeof(a_scale)));
+}
+
 const Gemm::Plan& Gemm::plan(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
-                             const void* bias, cudaStream_t stream) {
+                             const void* bias, cudaStream_t stream, const float* a_scale, const float* b_scale) {
   auto it = plans_.find(s.key());
   if (it != plans_.end()) return it->second;
 
@@ -65,8 +85,8 @@ const Gemm::Plan& Gemm::plan(const GemmShape& s, const void* A, const void* B, c
   // Column-major layouts (rows, cols, ld) of the stored matrices.
   const int b_rows = s.trans_b ? s.K : s.N, b_cols = s.trans_b ? s.N : s.K;  // our B, stored
   const int a_rows = s.trans_a ? s.M : s.K, a_cols = s.trans_a ? s.K : s.M;  // our A, stored
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, b_rows, b_cols, s.ldb));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, a_rows, a_cols, s.lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(s.b_type), b_rows, b_cols, s.ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, cuda_type(s.a_type), a_rows, a_cols, s.lda));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.cd, cuda_type(s.d_type), s.N, s.M, s.ldd));
 
   cublasLtMatmulPreference_t pref;
@@ -92,8 +112,7 @@ const Gemm::Plan& Gemm::plan(const GemmShape& s, const void* A, const void* B, c
   // several times changes nothing, unless D is also the input C. Rounds go over all candidates
   // in turn and each keeps its best round, so a clock still ramping up favours none of them.
   if (autotune_ && found > 1 && C != D) {
-    if (bias)
-      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    set_pointers(p, bias, a_scale, b_scale);
     const float alpha = 1.0f, beta = C ? 1.0f : 0.0f;
     auto launch = [&](int i) {
       return cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C ? C : D, p.cd, D, p.cd,
@@ -128,18 +147,21 @@ const Gemm::Plan& Gemm::plan(const GemmShape& s, const void* A, const void* B, c
 }
 
 void Gemm::run(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
-               const void* bias, cudaStream_t stream) {
+               const void* bias, cudaStream_t stream, const float* a_scale, const float* b_scale) {
   ENSURE(s.with_c == (C != nullptr) && (s.epilogue != Epilogue::None) == (bias != nullptr),
           "GEMM operands do not match its shape: " + describe(s));
   NvtxRange range("gemm");
   ENSURE(aligned256(A) && aligned256(B) && aligned256(D) && (!C || aligned256(C)),
          "GEMM operands must be 256-byte aligned: " + describe(s));
-  ENSURE(s.lda % 8 == 0 && s.ldb % 8 == 0 && (s.ldd * elem_size(s.d_type)) % 16 == 0,
-          "GEMM leading dimensions must give 16-byte rows: " + describe(s));
-  const Plan& p = plan(s, A, B, C, D, bias, stream);
-  if (bias)
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                                sizeof(bias)));
+  ENSURE((s.lda * elem_size(s.a_type)) % 16 == 0 && (s.ldb * elem_size(s.b_type)) % 16 == 0 &&
+             (s.ldd * elem_size(s.d_type)) % 16 == 0,
+         "GEMM leading dimensions must give 16-byte rows: " + describe(s));
+  const bool fp8 = is_fp8(s.a_type) || is_fp8(s.b_type);
+  ENSURE(is_fp8(s.a_type) == is_fp8(s.b_type) && !(s.a_type == DType::E5M2 && s.b_type == DType::E5M2) &&
+             (!fp8 || (!s.trans_a && s.trans_b && a_scale && b_scale)),
+         "FP8 GEMMs take two FP8 operands (not both E5M2), K contiguous in both, and both scales: " + describe(s));
+  const Plan& p = plan(s, A, B, C, D, bias, stream, a_scale, b_scale);
+  set_pointers(p, bias, a_scale, b_scale);
   const float alpha = 1.0f, beta = C ? 1.0f : 0.0f;
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C ? C : D, p.cd, D,
                               p.cd, &p.algo, workspace_, workspace_bytes_, stream));
@@ -151,6 +173,16 @@ void Gemm::linear_forward(const void* x, const void* W, const void* bias, const 
   const GemmShape s{M, N, K, false, true, K, K, ldy ? ldy : N, y_type, residual != nullptr,
                     bias ? Epilogue::Bias : Epilogue::None};
   run(s, x, W, residual, y, bias, stream);
+}
+
+void Gemm::linear_fp8(const void* a, DType a_type, const float* a_scale, const void* b, DType b_type,
+                      const float* b_scale, const void* bias, const void* residual, void* y, DType y_type, int M,
+                      int N, int K, cudaStream_t stream, int ldy) {
+  GemmShape s{M, N, K, false, true, K, K, ldy ? ldy : N, y_type, residual != nullptr,
+              bias ? Epilogue::Bias : Epilogue::None};
+  s.a_type = a_type;
+  s.b_type = b_type;
+  run(s, a, b, residual, y, bias, stream, a_scale, b_scale);
 }
 
 void Gemm::linear_backward_input(const void* dy, const void* W, void* dx, int M, int N, int K,

@@ -14,7 +14,9 @@
 #include <map>
 #include <tuple>
 
-enum class DType { BF16, F32 };
+// E4M3 and E5M2 are Hopper's FP8 formats (one byte); an FP8 operand comes with a device pointer
+// to the factor that turns its codes back into values (the inverse of its quantisation scale).
+enum class DType { BF16, F32, E4M3, E5M2 };
 
 // What the epilogue adds to the product. Bias: D += bias[N] (bias in D's dtype). BiasGrad:
 // also writes bias[M] = sum over K of op(A), the bias gradient of a weight-gradient product
@@ -23,8 +25,9 @@ enum class Epilogue { None, Bias, BiasGrad };
 
 // D[M, N] = op(A) * op(B) + (C if given) (+ the epilogue's), all row-major, fp32 accumulation.
 // op(A) is [M, K]: A stored [M, K] (trans_a false) or [K, M] (trans_a true); likewise op(B) is
-// [K, N]: B stored [K, N] or [N, K] (trans_b true). A and B are bf16; C and D share dtype and
-// leading dimension.
+// [K, N]: B stored [K, N] or [N, K] (trans_b true). A and B are both bf16 or both FP8 (not both
+// E5M2); FP8 products exist on Hopper only with K contiguous in both (trans_a false, trans_b
+// true) and leading dimensions of whole 16 bytes. C and D share dtype and leading dimension.
 struct GemmShape {
   int M, N, K;
   bool trans_a, trans_b;
@@ -32,8 +35,9 @@ struct GemmShape {
   DType d_type;
   bool with_c;
   Epilogue epilogue;
+  DType a_type = DType::BF16, b_type = DType::BF16;
   auto key() const {
-    return std::make_tuple(M, N, K, trans_a, trans_b, lda, ldb, ldd, d_type, with_c, epilogue);
+    return std::make_tuple(M, N, K, trans_a, trans_b, lda, ldb, ldd, d_type, with_c, epilogue, a_type, b_type);
   }
 };
 
@@ -45,8 +49,9 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   // bias: the epilogue's vector (read for Bias, written for BiasGrad), nullptr for None.
+  // a_scale, b_scale: the FP8 operands' dequantisation factors (device pointers), else nullptr.
   void run(const GemmShape& s, const void* A, const void* B, const void* C, void* D, const void* bias,
-           cudaStream_t stream);
+           cudaStream_t stream, const float* a_scale = nullptr, const float* b_scale = nullptr);
 
   // The Linear layer's three products (PyTorch layout: W is [out, in]):
   // y[M, N] = x[M, K] W[N, K]^T (+ bias) (+ residual, same dtype and layout as y)
@@ -61,6 +66,13 @@ class Gemm {
   void linear_backward_weight(const void* dy, const void* x, float* dW, float* db, int M, int N,
                               int K, cudaStream_t stream, int lddy = 0);
 
+  // The FP8 product in the one layout Hopper runs: y[M, N] = (a_scale a[M, K]) (b_scale b[N, K])^T
+  // (+ bias) (+ residual). The three products of a Linear layer all take this form, given
+  // transposed FP8 copies where the contraction runs along tokens or output features.
+  void linear_fp8(const void* a, DType a_type, const float* a_scale, const void* b, DType b_type, const float* b_scale,
+                  const void* bias, const void* residual, void* y, DType y_type, int M, int N, int K,
+                  cudaStream_t stream, int ldy = 0);
+
   size_t plans_cached() const { return plans_.size(); }
 
  private:
@@ -70,7 +82,8 @@ class Gemm {
     cublasLtMatmulAlgo_t algo;
   };
   const Plan& plan(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
-                   const void* bias, cudaStream_t stream);
+                   const void* bias, cudaStream_t stream, const float* a_scale, const float* b_scale);
+  void set_pointers(const Plan& p, const void* bias, const float* a_scale, const float* b_scale);
   static constexpr int kCandidates = 8, kTuneRounds = 5;
 
   cublasLtHandle_t handle_ = nullptr;

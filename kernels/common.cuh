@@ -37,6 +37,14 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Maxima that keep a NaN (fmaxf drops it): for amaxes, where a non-finite tensor must show.
+__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || b != b) ? NAN : fmaxf(a, b); }
+__device__ __forceinline__ float warp_max_nan(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 inline unsigned grid_for(size_t n, unsigned threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }

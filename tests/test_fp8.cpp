@@ -1,4 +1,5 @@
-// CPU tier: the FP8 oracle against CUDA's own host conversions, bit for bit: every code's
+// The FP8 oracle and the FP8 building blocks.
+// CPU tier: the oracle against CUDA's own host conversions, bit for bit: every code's
 // decoding, and the encoding of every code's value, of the midpoints between neighbouring codes
 // (ties to even) and of values just off them, of values past the largest one (saturation), of
 // values below the smallest subnormal, infinities and NaN.
@@ -6,9 +7,16 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <random>
 #include <vector>
 
+#include "engine/gemm.h"
+#include "kernels/fp8.h"
+#include "tests/gpu_util.h"
+#include "tests/harness.h"
 #include "tests/reference/fp8.h"
+
+using bf16 = __nv_bfloat16;
 
 namespace {
 __nv_fp8_interpretation_t cuda_kind(ref::Fp8 f) { return f == ref::Fp8::E4M3 ? __NV_E4M3 : __NV_E5M2; }
@@ -50,5 +58,89 @@ TEST_CASE("fp8: E4M3 and E5M2 decoding and encoding equal CUDA's, bit for bit") 
     }
     MESSAGE(checked << " encodings and 256 decodings agree with CUDA");
     CHECK(max == static_cast<float>(ref::fp8_format(f).max));
+  }
+}
+
+// ---- GPU tier: the FP8 GEMMs and casts against the oracle ----
+namespace {
+// Random FP8 codes spread over the format's range (finite ones), and their values.
+std::vector<uint8_t> random_codes(std::mt19937_64& rng, size_t n, ref::Fp8 f) {
+  std::vector<uint8_t> c(n);
+  for (uint8_t& x : c) {
+    do {
+      x = static_cast<uint8_t>(rng() % 256);
+    } while (!std::isfinite(ref::fp8_decode(x, f)) || std::fabs(ref::fp8_decode(x, f)) > 64);
+  }
+  return c;
+}
+}  // namespace
+
+TEST_CASE("gpu: FP8 GEMMs (E4M3 x E4M3, E5M2 x E4M3) against a float64 product of the dequantised inputs") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  Gemm gemm(32u << 20);
+  const int M = 208, N = 96, K = 128;
+  struct Case { DType a, b, y; ref::Fp8 fa, fb; bool bias; };
+  for (Case c : {Case{DType::E4M3, DType::E4M3, DType::BF16, ref::Fp8::E4M3, ref::Fp8::E4M3, true},
+                 Case{DType::E5M2, DType::E4M3, DType::BF16, ref::Fp8::E5M2, ref::Fp8::E4M3, false},
+                 Case{DType::E5M2, DType::E4M3, DType::F32, ref::Fp8::E5M2, ref::Fp8::E4M3, false}}) {
+    CAPTURE(static_cast<int>(c.a));
+    CAPTURE(static_cast<int>(c.y));
+    const auto a = random_codes(rng, static_cast<size_t>(M) * K, c.fa), b = random_codes(rng, static_cast<size_t>(N) * K, c.fb);
+    const float sa = 0.0625f, sb = 0.5f;  // dequantisation factors
+    const auto bias = round_bf16(random_vec(rng, N));
+    std::vector<double> want(static_cast<size_t>(M) * N);
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) {
+        double s = c.bias ? bias[j] : 0.0;
+        for (int k = 0; k < K; ++k)
+          s += double(sa) * ref::fp8_decode(a[i * K + k], c.fa) * double(sb) * ref::fp8_decode(b[j * K + k], c.fb);
+        want[static_cast<size_t>(i) * N + j] = s;
+      }
+    DeviceBuffer<uint8_t> da(a), db(b);
+    DeviceBuffer<float> dsa(std::vector<float>{sa}), dsb(std::vector<float>{sb});
+    DeviceBuffer<bf16> dbias(to_bf16(bias));
+    if (c.y == DType::BF16) {
+      DeviceBuffer<bf16> y(static_cast<size_t>(M) * N);
+      gemm.linear_fp8(da.get(), c.a, dsa.get(), db.get(), c.b, dsb.get(), c.bias ? dbias.get() : nullptr, nullptr,
+                      y.get(), c.y, M, N, K, 0);
+      CHECK(rel_error(to_f64(y.download()), want) < 5e-3);
+    } else {
+      DeviceBuffer<float> y(static_cast<size_t>(M) * N);
+      gemm.linear_fp8(da.get(), c.a, dsa.get(), db.get(), c.b, dsb.get(), nullptr, nullptr, y.get(), c.y, M, N, K, 0);
+      CHECK(rel_error(to_f64(y.download()), want) < 1e-5);
+    }
+  }
+}
+
+TEST_CASE("gpu: FP8 cast with transposed copy and amax, bit for bit against the oracle") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  const int rows = 77, cols = 45;  // partial tiles both ways
+  for (Fp8Kind kind : {Fp8Kind::E4M3, Fp8Kind::E5M2}) {
+    const ref::Fp8 f = kind == Fp8Kind::E4M3 ? ref::Fp8::E4M3 : ref::Fp8::E5M2;
+    auto x = round_bf16(random_vec(rng, static_cast<size_t>(rows) * cols, -3, 3));
+    x[5] = 1e4;  // saturates after scaling
+    const float scale = kind == Fp8Kind::E4M3 ? 100.0f : 3000.0f;
+    double amax_ref = 0;
+    for (double v : x) amax_ref = std::max(amax_ref, std::fabs(v));
+    DeviceBuffer<bf16> in(to_bf16(x));
+    DeviceBuffer<float> s(std::vector<float>{scale}), amax(std::vector<float>{0.5f});
+    DeviceBuffer<uint8_t> out(static_cast<size_t>(rows) * cols), out_t(static_cast<size_t>(rows) * cols);
+    cast_to_fp8(in.get(), rows, cols, s.get(), kind, out.get(), out_t.get(), amax.get(), 0);
+    const auto o = out.download(), ot = out_t.download();
+    int mismatches = 0;
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) {
+        const uint8_t want = ref::fp8_encode(static_cast<float>(x[r * cols + c]) * scale, f);
+        mismatches += o[r * cols + c] != want;
+        mismatches += ot[c * rows + r] != want;
+      }
+    CHECK(mismatches == 0);
+    CHECK(amax.download()[0] == static_cast<float>(amax_ref));
+    x[17] = NAN;  // a non-finite tensor shows in its amax
+    in.upload(to_bf16(x));
+    cast_to_fp8(in.get(), rows, cols, s.get(), kind, out.get(), nullptr, amax.get(), 0);
+    CHECK(std::isnan(amax.download()[0]));
   }
 }
