@@ -108,7 +108,9 @@ TEST_CASE("gpu: FP8 GEMMs (E4M3 x E4M3, E5M2 x E4M3) against a float64 product o
     } else {
       DeviceBuffer<float> y(static_cast<size_t>(M) * N);
       gemm.linear_fp8(da.get(), c.a, dsa.get(), db.get(), c.b, dsb.get(), nullptr, nullptr, y.get(), c.y, M, N, K, 0);
-      CHECK(rel_error(to_f64(y.download()), want) < 1e-5);
+      // Hopper's FP8 tensor cores keep fewer mantissa bits than fp32 between their promotions
+      // to the fp32 accumulator: ~2e-4 measured, where bf16 inputs give ~1e-7.
+      CHECK(rel_error(to_f64(y.download()), want) < 1e-3);
     }
   }
 }
@@ -120,7 +122,7 @@ TEST_CASE("gpu: FP8 cast with transposed copy and amax, bit for bit against the 
   for (Fp8Kind kind : {Fp8Kind::E4M3, Fp8Kind::E5M2}) {
     const ref::Fp8 f = kind == Fp8Kind::E4M3 ? ref::Fp8::E4M3 : ref::Fp8::E5M2;
     auto x = round_bf16(random_vec(rng, static_cast<size_t>(rows) * cols, -3, 3));
-    x[5] = 1e4;  // saturates after scaling
+    x[5] = 8192;  // saturates after scaling (exact in bf16, so the amax is exact too)
     const float scale = kind == Fp8Kind::E4M3 ? 100.0f : 3000.0f;
     double amax_ref = 0;
     for (double v : x) amax_ref = std::max(amax_ref, std::fabs(v));
