@@ -12,6 +12,7 @@
 
 #include "engine/gemm.h"
 #include "kernels/fp8.h"
+#include "kernels/fp8_scaling.h"
 #include "tests/gpu_util.h"
 #include "tests/harness.h"
 #include "tests/reference/fp8.h"
@@ -61,7 +62,55 @@ TEST_CASE("fp8: E4M3 and E5M2 decoding and encoding equal CUDA's, bit for bit") 
   }
 }
 
-// ---- GPU tier: the FP8 GEMMs and casts against the oracle ----
+TEST_CASE("fp8 scaling: delayed recipe, history roll, margin, zero and non-finite amax") {
+  Fp8Meta m;
+  m.fp8_max = 448;
+  // The first step: amax 2 gives 448 / 2; with margin 1, half of that.
+  m.amax = 2;
+  CHECK(fp8_update(m, 4, 0));
+  CHECK(m.scale == 224.0f);
+  CHECK(m.scale_inv == 1.0f / 224.0f);
+  CHECK(m.amax == 0.0f);  // reset for the next step's casts
+  CHECK(m.history[0] == 2.0f);
+  // A smaller amax: the history's maximum (2) still decides, for history_len steps.
+  for (int step = 0; step < 3; ++step) {
+    m.amax = 0.5f;
+    CHECK(fp8_update(m, 4, 0));
+    CHECK(m.scale == 224.0f);
+  }
+  m.amax = 0.5f;  // the 2 has rolled out of a history of 4
+  CHECK(fp8_update(m, 4, 0));
+  CHECK(m.scale == 896.0f);
+  CHECK(m.history[0] == 0.5f);
+  CHECK(m.history[3] == 0.5f);
+  m.amax = 0.5f;
+  CHECK(fp8_update(m, 4, 2));  // margin 2: a quarter
+  CHECK(m.scale == 224.0f);
+  // Non-finite amaxes stay out of the history and keep the scale; the update reports them.
+  for (float bad : {NAN, INFINITY}) {
+    m.amax = bad;
+    CHECK_FALSE(fp8_update(m, 4, 2));
+    CHECK(m.scale == 224.0f);
+    CHECK(m.history[0] == 0.5f);
+  }
+  // All-zero history (a tensor that was zero so far) keeps the scale too.
+  Fp8Meta z;
+  z.scale = 3.0f;
+  z.amax = 0.0f;
+  CHECK(fp8_update(z, 8, 0));
+  CHECK(z.scale == 3.0f);
+  // The current recipe: history 1, the step's own amax alone.
+  Fp8Meta c;
+  c.fp8_max = 57344;
+  c.amax = 4;
+  CHECK(fp8_update(c, 1, 0));
+  CHECK(c.scale == 14336.0f);
+  c.amax = 0.25f;
+  CHECK(fp8_update(c, 1, 0));
+  CHECK(c.scale == 229376.0f);
+}
+
+// ---- GPU tier: the FP8 GEMMs, casts and scale updates against the oracle ----
 namespace {
 // Random FP8 codes spread over the format's range (finite ones), and their values.
 std::vector<uint8_t> random_codes(std::mt19937_64& rng, size_t n, ref::Fp8 f) {
@@ -144,5 +193,34 @@ TEST_CASE("gpu: FP8 cast with transposed copy and amax, bit for bit against the 
     in.upload(to_bf16(x));
     cast_to_fp8(in.get(), rows, cols, s.get(), kind, out.get(), nullptr, amax.get(), 0);
     CHECK(std::isnan(amax.download()[0]));
+  }
+}
+
+TEST_CASE("gpu: FP8 scale updates on the device equal the host recipe") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<float> u(0.0f, 10.0f);
+  const int count = 37, history = 16, margin = 1;
+  std::vector<Fp8Meta> host(count);
+  for (int i = 0; i < count; ++i) {
+    host[i].fp8_max = i % 2 ? 448.0f : 57344.0f;
+    host[i].scale = u(rng);
+    for (int h = 0; h < history; ++h) host[i].history[h] = u(rng);
+    host[i].amax = i == 5 ? NAN : i == 6 ? INFINITY : i == 7 ? 0.0f : u(rng);
+  }
+  DeviceBuffer<Fp8Meta> dev(host);
+  DeviceBuffer<int> non_finite(std::vector<int>{0});
+  fp8_update_scales(dev.get(), count, history, margin, non_finite.get(), 0);
+  const auto got = dev.download();
+  int bad = 0;
+  for (Fp8Meta& m : host) bad += !fp8_update(m, history, margin);
+  CHECK(non_finite.download()[0] == bad);
+  CHECK(bad == 2);
+  for (int i = 0; i < count; ++i) {
+    CAPTURE(i);
+    CHECK(got[i].scale == host[i].scale);
+    CHECK(got[i].scale_inv == host[i].scale_inv);
+    CHECK(got[i].amax == 0.0f);
+    for (int h = 0; h < history; ++h) REQUIRE(got[i].history[h] == host[i].history[h]);
   }
 }

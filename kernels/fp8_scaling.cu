@@ -1,0 +1,17 @@
+#include "engine/check.h"
+#include "kernels/common.cuh"
+#include "kernels/fp8_scaling.h"
+
+namespace {
+__global__ void update_kernel(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < count && !fp8_update(metas[i], history_len, margin)) atomicAdd(non_finite, 1);
+}
+}  // namespace
+
+void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite, cudaStream_t stream) {
+  ENSURE(history_len >= 1 && history_len <= kMaxAmaxHistory, "fp8_update_scales: history length out of range");
+  if (count == 0) return;
+  update_kernel<<<grid_for(count, 128), 128, 0, stream>>>(metas, count, history_len, margin, non_finite);
+  LAUNCH_CHECK();
+}

@@ -1,0 +1,48 @@
+// Per-tensor FP8 scaling, kept on the device: each FP8 tensor has a scale (applied before the
+// cast), its inverse (the GEMM's dequantisation factor), the step's amax (accumulated by the
+// casts) and a history of past amaxes. The recipe logic is written once, for host and device,
+// so the CPU tests check the very code the kernel runs.
+//   delayed: the next step's scale comes from the maximum over the last history_len amaxes
+//   current: history_len 1, updated between a tensor's amax pass and its cast
+// scale = fp8_max / amax / 2^margin. A zero or non-finite amax keeps the previous scale and stays
+// out of the history (a non-finite one is the numerics guard's to handle).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+constexpr int kMaxAmaxHistory = 1024;
+
+struct Fp8Meta {
+  float scale = 1.0f;
+  float scale_inv = 1.0f;
+  float amax = 0.0f;     // this step's, from the casts; reset by the update
+  float fp8_max = 448.0f;  // 448 for E4M3, 57344 for E5M2
+  float history[kMaxAmaxHistory] = {};  // newest first
+};
+
+__host__ __device__ inline float fp8_scale_for(float amax, float fp8_max, int margin, float previous) {
+  if (!(amax > 0.0f) || !isfinite(amax)) return previous;
+  return ldexpf(fp8_max / amax, -margin);
+}
+
+// One step of the recipe for one tensor: the step's amax joins the history if finite (a zero
+// joins too: it is a real observation, and the history's maximum decides), the scale for the
+// next step is chosen, the step's amax is reset. Returns false if the step's amax was not finite.
+__host__ __device__ inline bool fp8_update(Fp8Meta& m, int history_len, int margin) {
+  const float amax = m.amax;
+  const bool finite = isfinite(amax);
+  if (finite) {
+    for (int i = history_len - 1; i > 0; --i) m.history[i] = m.history[i - 1];
+    m.history[0] = amax;
+  }
+  float hmax = 0.0f;
+  for (int i = 0; i < history_len; ++i) hmax = fmaxf(hmax, m.history[i]);
+  m.scale = fp8_scale_for(hmax, m.fp8_max, margin, m.scale);
+  m.scale_inv = 1.0f / m.scale;
+  m.amax = 0.0f;
+  return finite;
+}
+
+// fp8_update on count metas (one thread each); non_finite[0] += the number whose amax was not.
+void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite, cudaStream_t stream);
