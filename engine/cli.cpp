@@ -1,5 +1,7 @@
 #include "engine/cli.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -54,7 +56,7 @@ std::string usage() {
          "  --img N --patch N --channels N --classes N --dim N --depth N --heads N --mlp-ratio X\n"
          "optimizer (torch.optim.SGD semantics, fp32 master weights and momentum):\n"
          "  --lr X (0.001)  --momentum X (0.9)  --weight-decay X (0, L2 added to the gradient)  --nesterov\n"
-         "  --lr-schedule S        constant (default) or cosine (to zero at the last step)\n"
+         "  --lr-schedule S        constant (default) or cosine (decaying to zero at the end of the run)\n"
          "  --warmup-steps N       linear learning-rate warm-up over the first N steps (default 0)\n"
          "output and profiling:\n"
          "  --log-every N          print a progress line every N steps (default 10)\n"
@@ -99,9 +101,9 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
            bad("unknown dataset '" + v + "'; choose synthetic or fashion-mnist[:DIR]");
          o.data = kind;
          o.data_dir = v.find(':') == std::string::npos ? "" : v.substr(v.find(':') + 1);
-         if (kind == "synthetic" && !o.data_dir.empty()) bad(f + " synthetic takes no directory");
-         if (kind == "fashion-mnist" && v.find(':') != std::string::npos && o.data_dir.empty())
-           bad(f + " fashion-mnist: needs a directory after the colon");
+         const bool colon = v.find(':') != std::string::npos;
+         if (kind == "synthetic" && colon) bad(f + " synthetic takes no directory");
+         if (kind == "fashion-mnist" && colon && o.data_dir.empty()) bad(f + " fashion-mnist: needs a directory after the colon");
        }},
       {"--eval-every", [&](const std::string& f, const std::string& v) { o.eval_every = parse_int(f, v, 1, 1 << 30); }},
       {"--lr-schedule", [&](const std::string& f, const std::string& v) {
@@ -172,8 +174,15 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     if (m.img != 28 || m.channels != 1 || m.classes != 10)
       bad("--data fashion-mnist holds 28x28 grey images of 10 classes: give --img 28 --channels 1 --classes 10");
     if (o.data_dir.empty()) o.data_dir = "/usr/share/datasets/fashion-mnist";
+    struct stat st;
+    if (::stat(o.data_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+      bad("--data fashion-mnist: " + o.data_dir + " is not a directory" +
+          (o.data_dir == "/usr/share/datasets/fashion-mnist" ? " (apt-get install dataset-fashion-mnist)" : ""));
   }
   if (o.epochs > 0 && steps_given) bad("give --steps or --epochs, not both");
+  if (!o.dump_reference.empty() && (o.data != "synthetic" || o.lr_schedule != "constant" || o.warmup_steps > 0))
+    bad("--dump-reference replays the synthetic data at a constant learning rate in timm: it takes neither --data, "
+        "--lr-schedule cosine nor --warmup-steps");
   if (o.epochs == 0) set_total_steps(o, o.steps);
   return o;
 }

@@ -178,6 +178,8 @@ void Gemm::linear_forward(const void* x, const void* W, const void* bias, const 
 void Gemm::linear_fp8(const void* a, DType a_type, const float* a_scale, const void* b, DType b_type,
                       const float* b_scale, const void* bias, const void* residual, void* y, DType y_type, int M,
                       int N, int K, cudaStream_t stream, int ldy) {
+  ENSURE((y_type == DType::BF16 || y_type == DType::F32) && (!bias || y_type == DType::BF16),
+         "linear_fp8: the output is bf16 or fp32, and a bias (bf16) goes with a bf16 output only");
   GemmShape s{M, N, K, false, true, K, K, ldy ? ldy : N, y_type, residual != nullptr,
               bias ? Epilogue::Bias : Epilogue::None};
   s.a_type = a_type;

@@ -72,7 +72,14 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
   if (!why.empty()) throw UsageError("this model's attention shape is not supported: " + why);
   if (opts_.data == "fashion-mnist") {
     dataset_ = std::make_unique<FashionMnist>(opts_.data_dir);
-    if (opts_.epochs > 0) set_total_steps(opts_, opts_.epochs * (dataset_->train.count / opts_.batch));
+    if (opts_.batch > dataset_->train.count)
+      throw UsageError("--batch " + std::to_string(opts_.batch) + " is larger than the " +
+                       std::to_string(dataset_->train.count) + " training images");
+    if (opts_.epochs > 0) {
+      const int64_t steps = int64_t(opts_.epochs) * (dataset_->train.count / opts_.batch);
+      if (steps > (1 << 30)) throw UsageError("--epochs " + std::to_string(opts_.epochs) + " makes more than 2^30 steps");
+      set_total_steps(opts_, static_cast<int>(steps));
+    }
   }
   schedule_.kind = opts_.lr_schedule == "cosine" ? LrSchedule::Kind::Cosine : LrSchedule::Kind::Constant;
   schedule_.base = opts_.lr;
@@ -211,19 +218,21 @@ double Trainer::evaluate() {
   return static_cast<double>(correct) / dataset_->test.count;
 }
 
-// After a step on real data: at an epoch's end, its mean training loss; at an evaluation point
-// (--eval-every, else each epoch's end, and the last step), the test top-1.
+// After a step on real data: at an epoch's end (or the run's, inside an epoch), the epoch's
+// mean training loss; at an evaluation point (--eval-every, else each epoch's end, and the last
+// step), the test top-1.
 void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epochs) {
   const int per_epoch = train_loader_->batches_per_epoch();
-  const bool epoch_end = (step + 1) % per_epoch == 0, last = step + 1 == opts_.steps;
-  const bool eval_now = opts_.eval_every > 0 ? ((step + 1) % opts_.eval_every == 0 || last) : (epoch_end || last);
+  const bool last = step + 1 == opts_.steps, epoch_end = (step + 1) % per_epoch == 0 || last;
+  const int steps_in_epoch = (step + 1) % per_epoch == 0 ? per_epoch : (step + 1) % per_epoch;
+  const bool eval_now = opts_.eval_every > 0 ? ((step + 1) % opts_.eval_every == 0 || last) : epoch_end;
   double train_loss = NAN, top1 = NAN;
   if (epoch_end) {
     float sum = 0;
     CUDA_CHECK(cudaMemcpyAsync(&sum, loss_sum_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, sizeof(float), stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
-    train_loss = sum / per_epoch;
+    train_loss = sum / steps_in_epoch;
   }
   if (eval_now) {
     top1 = evaluate();
@@ -231,8 +240,9 @@ void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epoc
                 (step + 1) / static_cast<double>(per_epoch), 100 * top1, dataset_->test.count, schedule_.at(step));
   }
   if (epoch_end) {
-    epochs.push_back({(step + 1) / per_epoch, train_loss, top1});
-    std::printf("  epoch %d done: mean training loss %.4f\n", epochs.back().epoch, train_loss);
+    epochs.push_back({step / per_epoch + 1, steps_in_epoch, train_loss, top1});
+    std::printf("  epoch %d done (%d steps): mean training loss %.4f\n", epochs.back().epoch, steps_in_epoch,
+                train_loss);
   }
   std::fflush(stdout);
 }
@@ -294,12 +304,12 @@ void Trainer::train() {
     if (dataset_) record_epoch_and_evaluate(step, epochs);
   }
   if (!epochs.empty()) {
-    std::printf("\n%7s %12s %12s\n", "epoch", "train loss", "test top-1");
+    std::printf("\n%7s %7s %12s %12s\n", "epoch", "steps", "train loss", "test top-1");
     for (const EpochResult& e : epochs) {
       if (std::isnan(e.top1))
-        std::printf("%7d %12.4f %12s\n", e.epoch, e.train_loss, "-");
+        std::printf("%7d %7d %12.4f %12s\n", e.epoch, e.steps, e.train_loss, "-");
       else
-        std::printf("%7d %12.4f %11.2f%%\n", e.epoch, e.train_loss, 100 * e.top1);
+        std::printf("%7d %7d %12.4f %11.2f%%\n", e.epoch, e.steps, e.train_loss, 100 * e.top1);
     }
   }
   CUDA_CHECK(cudaFreeHost(loss_host));

@@ -40,7 +40,7 @@ class Trainer {
 
  private:
   struct EpochResult {
-    int epoch;
+    int epoch, steps;         // steps < an epoch's for a run that ends inside one
     double train_loss, top1;  // top1 NaN where no evaluation fell on the epoch's end
   };
   void print_summary() const;

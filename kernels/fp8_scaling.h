@@ -3,7 +3,7 @@
 // casts) and a history of past amaxes. The recipe logic is written once, for host and device,
 // so the CPU tests check the very code the kernel runs.
 //   delayed: the next step's scale comes from the maximum over the last history_len amaxes
-//   current: history_len 1, updated between a tensor's amax pass and its cast
+//   current: history_len 1, updated after the tensor's own amax is known and before its cast
 // scale = fp8_max / amax / 2^margin. A zero or non-finite amax keeps the previous scale and stays
 // out of the history (a non-finite one is the numerics guard's to handle).
 #pragma once
@@ -23,7 +23,8 @@ struct Fp8Meta {
 
 __host__ __device__ inline float fp8_scale_for(float amax, float fp8_max, int margin, float previous) {
   if (!(amax > 0.0f) || !isfinite(amax)) return previous;
-  return ldexpf(fp8_max / amax, -margin);
+  const float scale = ldexpf(fp8_max / amax, -margin);
+  return isfinite(scale) ? scale : previous;  // an amax so tiny that the scale overflows
 }
 
 // One step of the recipe for one tensor: the step's amax joins the history if finite (a zero

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -152,11 +153,12 @@ TEST_CASE("schedule: linear warm-up, then constant or cosine to zero") {
 
 TEST_CASE("cli: data, epochs, evaluation and schedule flags") {
   auto parse = [](std::vector<std::string> a) { return parse_args(a); };
-  const std::vector<std::string> fm = {"--data", "fashion-mnist:/some/dir", "--img", "28", "--patch", "4", "--channels",
+  TempDir dir;
+  const std::vector<std::string> fm = {"--data", "fashion-mnist:" + dir.path, "--img", "28", "--patch", "4", "--channels",
                                        "1", "--classes", "10", "--dim", "192", "--heads", "3", "--depth", "6"};
   TrainOptions o = parse(fm);
   CHECK(o.data == "fashion-mnist");
-  CHECK(o.data_dir == "/some/dir");
+  CHECK(o.data_dir == dir.path);
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = fm;
     a.insert(a.end(), extra.begin(), extra.end());
@@ -178,6 +180,11 @@ TEST_CASE("cli: data, epochs, evaluation and schedule flags") {
     return std::string();
   };
   CHECK(error({"--data", "imagenet"}).find("unknown dataset") != std::string::npos);
+  CHECK(error({"--data", "synthetic:"}).find("takes no directory") != std::string::npos);
+  CHECK(error({"--data", "fashion-mnist:/no/such/dir", "--img", "28", "--patch", "4", "--channels", "1", "--classes", "10"})
+            .find("/no/such/dir is not a directory") != std::string::npos);
+  CHECK(error({"--dump-reference", "/tmp/x", "--lr-schedule", "cosine"}).find("constant learning rate") !=
+        std::string::npos);
   CHECK(error({"--data", "fashion-mnist"}).find("--img 28 --channels 1 --classes 10") != std::string::npos);
   CHECK(error({"--epochs", "2"}).find("--epochs needs a dataset") != std::string::npos);
   CHECK(error({"--eval-every", "5"}).find("test split") != std::string::npos);
@@ -188,10 +195,12 @@ TEST_CASE("cli: data, epochs, evaluation and schedule flags") {
 
 TEST_CASE("gpu: pixel normalisation, top-1 counting and the test-set loader") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   // Ties go to the lowest class, as torch.argmax; rows past n_valid are not counted.
   const int C = 10, ld = 16, B = 6;
   std::vector<float> logits(B * ld, -1.0f);
+  for (int b = 0; b < B; ++b)
+    for (int c = C; c < ld; ++c) logits[b * ld + c] = 100.0f;  // padding columns must not be scanned
   std::vector<int> labels = {3, 3, 0, 9, 5, 5};
   logits[0 * ld + 3] = 2;                        // right
   logits[1 * ld + 3] = 2; logits[1 * ld + 1] = 2;  // tie, lowest wins: 1, wrong
@@ -223,17 +232,36 @@ TEST_CASE("gpu: pixel normalisation, top-1 counting and the test-set loader") {
       CHECK(got[b * 6 + p] == doctest::Approx((set.pixels[(8 + b) * 6 + p] / 255.0 - 0.25) / 0.5));
   }
   CHECK(got_labels[2] == 0);
+  // Training order: batches loaded back to back (more than the staging slots, no waiting in
+  // between) into separate buffers; each epoch's two batches hold eight distinct images, each
+  // with its own label.
   DataLoader shuffled(set, 4, 0.25f, 0.5f, true, 3);
   CHECK(shuffled.batches_per_epoch() == 2);  // the last partial batch is dropped in training
-  std::set<int> seen;
-  for (int i = 0; i < 2; ++i) {
-    shuffled.load(0, i, images.get(), lab.get(), 0);
-    const auto g = images.download();
-    for (int b = 0; b < 4; ++b)
-      for (int k = 0; k < 10; ++k)
-        if (std::abs(g[b * 6] - (set.pixels[k * 6] / 255.0 - 0.25) / 0.5) < 1e-6 &&
-            std::abs(g[b * 6 + 1] - (set.pixels[k * 6 + 1] / 255.0 - 0.25) / 0.5) < 1e-6)
-          seen.insert(k);
+  const int loads = 6;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> imgs;
+  std::vector<std::unique_ptr<DeviceBuffer<int>>> labs;
+  for (int i = 0; i < loads; ++i) {
+    imgs.push_back(std::make_unique<DeviceBuffer<float>>(4 * 6));
+    labs.push_back(std::make_unique<DeviceBuffer<int>>(4));
+    shuffled.load(i / 2, i % 2, imgs.back()->get(), labs.back()->get(), 0);
   }
-  CHECK(seen.size() == 8u);  // eight distinct images in the epoch's two batches
+  for (int epoch = 0; epoch < loads / 2; ++epoch) {
+    std::set<int> seen;
+    for (int i = 2 * epoch; i < 2 * epoch + 2; ++i) {
+      const auto g = imgs[i]->download();
+      const auto l = labs[i]->download();
+      for (int b = 0; b < 4; ++b) {
+        int match = -1;
+        for (int k = 0; k < 10; ++k) {
+          bool same = true;
+          for (int p = 0; p < 6; ++p) same &= std::abs(g[b * 6 + p] - (set.pixels[k * 6 + p] / 255.0 - 0.25) / 0.5) < 1e-6;
+          if (same) match = k;
+        }
+        REQUIRE(match >= 0);
+        CHECK(l[b] == set.labels[match]);
+        seen.insert(match);
+      }
+    }
+    CHECK(seen.size() == 8u);
+  }
 }

@@ -126,7 +126,7 @@ std::vector<uint8_t> random_codes(std::mt19937_64& rng, size_t n, ref::Fp8 f) {
 
 TEST_CASE("gpu: FP8 GEMMs (E4M3 x E4M3, E5M2 x E4M3) against a float64 product of the dequantised inputs") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   Gemm gemm(32u << 20);
   const int M = 208, N = 96, K = 128;
   struct Case { DType a, b, y; ref::Fp8 fa, fb; bool bias; };
@@ -166,7 +166,7 @@ TEST_CASE("gpu: FP8 GEMMs (E4M3 x E4M3, E5M2 x E4M3) against a float64 product o
 
 TEST_CASE("gpu: FP8 cast with transposed copy and amax, bit for bit against the oracle") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   const int rows = 77, cols = 45;  // partial tiles both ways
   for (Fp8Kind kind : {Fp8Kind::E4M3, Fp8Kind::E5M2}) {
     const ref::Fp8 f = kind == Fp8Kind::E4M3 ? ref::Fp8::E4M3 : ref::Fp8::E5M2;
@@ -189,6 +189,9 @@ TEST_CASE("gpu: FP8 cast with transposed copy and amax, bit for bit against the 
       }
     CHECK(mismatches == 0);
     CHECK(amax.download()[0] == static_cast<float>(amax_ref));
+    amax.upload(std::vector<float>{1e6f});  // a larger running amax survives the cast
+    cast_to_fp8(in.get(), rows, cols, s.get(), kind, out.get(), nullptr, amax.get(), 0);
+    CHECK(amax.download()[0] == 1e6f);
     x[17] = NAN;  // a non-finite tensor shows in its amax
     in.upload(to_bf16(x));
     cast_to_fp8(in.get(), rows, cols, s.get(), kind, out.get(), nullptr, amax.get(), 0);
@@ -198,7 +201,7 @@ TEST_CASE("gpu: FP8 cast with transposed copy and amax, bit for bit against the 
 
 TEST_CASE("gpu: FP8 scale updates on the device equal the host recipe") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   std::uniform_real_distribution<float> u(0.0f, 10.0f);
   const int count = 37, history = 16, margin = 1;
   std::vector<Fp8Meta> host(count);

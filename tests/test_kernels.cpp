@@ -32,7 +32,7 @@ std::vector<double> slice(const std::vector<T>& v, size_t begin, size_t n) {
 
 TEST_CASE("gpu: layernorm forward and backward against the reference") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   for (int stride_mult : {1, 3}) {
     const int M = 37, D = 264, stride = D * stride_mult;
     CAPTURE(stride_mult);
@@ -85,7 +85,7 @@ TEST_CASE("gpu: layernorm forward and backward against the reference") {
 
 TEST_CASE("gpu: GELU forward, and backward with recompute and bias gradient, against the reference") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   const int M = 77, N = 8 * 301;  // a partial row chunk and a partial block of columns
   const size_t n = static_cast<size_t>(M) * N;
   const auto h = round_bf16(random_vec(rng, n, -5, 5)), da = round_bf16(random_vec(rng, n));
@@ -113,7 +113,7 @@ TEST_CASE("gpu: GELU forward, and backward with recompute and bias gradient, aga
 
 TEST_CASE("gpu: column sums") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   for (int M : {333, 3333}) {  // fewer and more second-stage rows than its warps
     CAPTURE(M);
     const int N = 300, ld = 312;
@@ -129,7 +129,7 @@ TEST_CASE("gpu: column sums") {
 
 TEST_CASE("gpu: patchify and the class-token/position embedding") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   ViTConfig c;
   c.img = 24; c.patch = 8; c.channels = 3; c.dim = 16;
   const int B = 3, P = c.patches(), T = c.tokens(), D = c.dim;
@@ -164,7 +164,7 @@ TEST_CASE("gpu: patchify and the class-token/position embedding") {
 
 TEST_CASE("gpu: softmax cross-entropy") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   const int B = 19, C = 1000, ld = 1000 + 8;
   const auto z = round_f32(random_vec(rng, static_cast<size_t>(B) * ld, -8, 8));
   std::vector<int> labels(B);
@@ -189,7 +189,7 @@ TEST_CASE("gpu: softmax cross-entropy") {
 
 TEST_CASE("gpu: SGD with momentum, torch.optim.SGD semantics, two steps") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   const size_t n = 4 * 777;
   for (bool nesterov : {false, true}) {
     for (double wd : {0.0, 0.05}) {
@@ -244,7 +244,7 @@ TEST_CASE("gpu: random fills are deterministic and have the asked distribution")
 
 TEST_CASE("gpu: fused attention forward and backward against the reference") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   struct Shape { int B, T, H, hd; };
   for (Shape s : {Shape{2, 197, 2, 80}, Shape{1, 17, 4, 16}, Shape{2, 50, 1, 64}, Shape{1, 65, 2, 128},
                   Shape{1, 257, 1, 64}, Shape{3, 5, 2, 32}, Shape{1, 200, 1, 48}, Shape{1, 577, 1, 96},

@@ -16,7 +16,7 @@ using bf16 = __nv_bfloat16;
 
 TEST_CASE("gpu: GEMM entry point, the Linear layer's three products") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   Gemm gemm(32u << 20);
   const int M = 197, N = 120, K = 88;
   const auto x = round_bf16(random_vec(rng, static_cast<size_t>(M) * K));
@@ -97,7 +97,7 @@ std::vector<double> random_params(const ParamLayout& layout, std::mt19937_64& rn
 
 TEST_CASE("gpu: whole-model loss, logits and every gradient against the CPU reference") {
   SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(std::random_device{}());
+  FRESH_RNG(rng);
   const ViTConfig cfg = small_config();
   const int B = 4;
   ModelArenas arenas;

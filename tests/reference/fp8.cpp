@@ -23,6 +23,7 @@ uint8_t fp8_encode(float x, Fp8 f) {
   const Fp8Format F = fp8_format(f);
   if (std::isnan(x)) return 0x7f;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  if (std::isinf(x)) return sign | fp8_encode(static_cast<float>(F.max), f);  // saturate
   const double a = std::fabs(static_cast<double>(x));  // exact
   const int emin = 1 - F.bias;                            // exponent of the smallest normal
   // The spacing of representable values around a: 2^(e - mantissa_bits), e >= emin.
