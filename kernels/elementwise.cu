@@ -9,11 +9,12 @@ constexpr int kThreads = 256;
 constexpr int kBackwardRows = 32;      // rows of one thread in gelu_backward, and of one partial row
 constexpr int kBackwardThreads = 128;  // 5 full blocks across ViT-H's 5120 columns (640 x 8)
 
-__device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float gelu_grad(float x) {
-  const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
-  const float pdf = 0.39894228040143268f * __expf(-0.5f * x * x);
-  return cdf + x * pdf;
+__device__ __forceinline__ float normal_cdf(float x) { return 0.5f * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float gelu(float x) { return x * normal_cdf(x); }
+// gelu'(x) = cdf(x) + x pdf(x), given cdf(x): the backward shares one erf between the
+// derivative and the recomputed output (the pass is bound by that arithmetic, not by memory).
+__device__ __forceinline__ float gelu_grad(float x, float cdf) {
+  return cdf + x * 0.39894228040143268f * __expf(-0.5f * x * x);
 }
 
 __global__ void gelu_forward_kernel(const Bf16x8* __restrict__ h, Bf16x8* __restrict__ a, size_t n8) {
@@ -56,9 +57,10 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
       hv[k].to_float(x);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        d[j] *= gelu_grad(x[j]);
+        const float cdf = normal_cdf(x[j]);
+        d[j] *= gelu_grad(x[j], cdf);
         sum[j] += d[j];
-        x[j] = gelu(x[j]);
+        x[j] *= cdf;  // gelu(x)
       }
       dh[i] = Bf16x8::from_float(d);
       a[i] = Bf16x8::from_float(x);
