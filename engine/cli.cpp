@@ -40,7 +40,10 @@ std::string usage() {
              "Trains a Vision Transformer (timm parity) on the GPU; by default ViT-Huge/16, batch 64, bf16.\n\n"
              "run:\n"
              "  --gpus N               GPUs to train on (default 1; data-parallel training is not built yet)\n"
-             "  --precision P          bf16 (default); fp8 is not built yet\n"
+             "  --precision P          bf16 (default) or fp8 (the blocks' Linear layers in FP8, all three GEMMs)\n"
+             "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
+             "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
+             "  --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)\n"
              "  --batch N              images per step (default 64)\n"
              "  --steps N              training steps (default 50)\n"
              "  --warmup N             first steps left out of the timing summary (default 10, less if --steps is small)\n"
@@ -87,10 +90,15 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--model", [](const std::string&, const std::string&) {}},
       {"--gpus", [&](const std::string& f, const std::string& v) { o.gpus = parse_int(f, v, 1, 1024); }},
       {"--precision", [&](const std::string&, const std::string& v) {
-         if (v == "fp8") bad("--precision fp8 is not built yet; use --precision bf16");
-         if (v != "bf16") bad("unknown precision '" + v + "'; choose bf16 (fp8 is not built yet)");
+         if (v != "bf16" && v != "fp8") bad("unknown precision '" + v + "'; choose bf16 or fp8");
          o.precision = v;
        }},
+      {"--fp8-recipe", [&](const std::string& f, const std::string& v) {
+         if (v != "delayed" && v != "current") bad("unknown " + f + " '" + v + "'; choose delayed or current");
+         o.fp8_recipe = v;
+       }},
+      {"--amax-history", [&](const std::string& f, const std::string& v) { o.amax_history = parse_int(f, v, 1, 1024); }},
+      {"--fp8-margin", [&](const std::string& f, const std::string& v) { o.fp8_margin = parse_int(f, v, 0, 16); }},
       {"--batch", [&](const std::string& f, const std::string& v) { o.batch = parse_int(f, v, 1, kBig); }},
       {"--steps", [&](const std::string& f, const std::string& v) { o.steps = parse_int(f, v, 1, 1 << 30); steps_given = true; }},
       {"--epochs", [&](const std::string& f, const std::string& v) { o.epochs = parse_int(f, v, 1, 100000); }},

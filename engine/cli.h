@@ -10,7 +10,10 @@
 struct TrainOptions {
   ViTConfig model;
   int gpus = 1;
-  std::string precision = "bf16";
+  std::string precision = "bf16";  // or "fp8"
+  std::string fp8_recipe = "delayed";  // or "current"
+  int amax_history = 16;
+  int fp8_margin = 0;
   int batch = 64;
   int steps = 50;   // with --epochs, set by set_total_steps() once the dataset's size is known
   int epochs = 0;   // 0: --steps counts the run

@@ -81,6 +81,11 @@ const Gemm::Plan& Gemm::plan(const GemmShape& s, const void* A, const void* B, c
         s.epilogue == Epilogue::Bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_BGRADB;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                                 sizeof(epi)));
+    if (is_fp8(s.a_type) && s.epilogue == Epilogue::Bias) {  // FP8 products take a bf16 bias, whatever D is
+      const cudaDataType_t bias_type = CUDA_R_16BF;
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                  sizeof(bias_type)));
+    }
   }
   // Column-major layouts (rows, cols, ld) of the stored matrices.
   const int b_rows = s.trans_b ? s.K : s.N, b_cols = s.trans_b ? s.N : s.K;  // our B, stored
@@ -178,8 +183,7 @@ void Gemm::linear_forward(const void* x, const void* W, const void* bias, const 
 void Gemm::linear_fp8(const void* a, DType a_type, const float* a_scale, const void* b, DType b_type,
                       const float* b_scale, const void* bias, const void* residual, void* y, DType y_type, int M,
                       int N, int K, cudaStream_t stream, int ldy) {
-  ENSURE((y_type == DType::BF16 || y_type == DType::F32) && (!bias || y_type == DType::BF16),
-         "linear_fp8: the output is bf16 or fp32, and a bias (bf16) goes with a bf16 output only");
+  ENSURE(y_type == DType::BF16 || y_type == DType::F32, "linear_fp8: the output is bf16 or fp32");
   GemmShape s{M, N, K, false, true, K, K, ldy ? ldy : N, y_type, residual != nullptr,
               bias ? Epilogue::Bias : Epilogue::None};
   s.a_type = a_type;

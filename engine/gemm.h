@@ -67,7 +67,7 @@ class Gemm {
                               int K, cudaStream_t stream, int lddy = 0);
 
   // The FP8 product in the one layout Hopper runs: y[M, N] = (a_scale a[M, K]) (b_scale b[N, K])^T
-  // (+ bias) (+ residual). The three products of a Linear layer all take this form, given
+  // (+ bias, bf16 whatever y's dtype) (+ residual, y's dtype and layout); y bf16 or fp32. The three products of a Linear layer all take this form, given
   // transposed FP8 copies where the contraction runs along tokens or output features.
   void linear_fp8(const void* a, DType a_type, const float* a_scale, const void* b, DType b_type, const float* b_scale,
                   const void* bias, const void* residual, void* y, DType y_type, int M, int N, int K,

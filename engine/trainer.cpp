@@ -22,9 +22,9 @@ constexpr uint64_t kDataStream = 1ull << 40;  // random streams of the data, apa
 double gib(size_t bytes) { return bytes / double(1ull << 30); }
 
 // Bytes a model of this batch needs on the device, by summing its arenas (nothing allocated).
-size_t bytes_for_batch(const ViTConfig& cfg, int batch) {
+size_t bytes_for_batch(const ViTConfig& cfg, int batch, Precision precision) {
   ModelArenas a;
-  ViT probe(cfg, batch, a);
+  ViT probe(cfg, batch, a, precision);
   return a.bytes();
 }
 
@@ -70,6 +70,15 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
   const ViTConfig& cfg = opts_.model;
   const std::string why = attention_unsupported_reason(cfg.tokens(), cfg.head_dim());
   if (!why.empty()) throw UsageError("this model's attention shape is not supported: " + why);
+  const Precision precision = opts_.precision == "fp8" ? Precision::FP8 : Precision::BF16;
+  if (precision == Precision::FP8) {
+    const std::string fp8_why = ViT::fp8_unsupported_reason(cfg, opts_.batch);
+    if (!fp8_why.empty()) throw UsageError("--precision fp8: " + fp8_why);
+  }
+  Fp8Options fp8;
+  fp8.current = opts_.fp8_recipe == "current";
+  fp8.history = opts_.amax_history;
+  fp8.margin = opts_.fp8_margin;
   if (opts_.data == "fashion-mnist") {
     dataset_ = std::make_unique<FashionMnist>(opts_.data_dir);
     if (opts_.batch > dataset_->train.count)
@@ -88,13 +97,14 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
 
   // Everything the run needs, checked against free memory before anything is allocated.
   gemm_workspace_ = kGemmWorkspace;
-  const size_t need = bytes_for_batch(cfg, opts_.batch) + gemm_workspace_;
+  const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspace_;
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   const size_t usable = free_b - std::min(free_b, size_t(512) << 20);  // room for the CUDA libraries
   if (need > usable) {
-    const size_t per_image = bytes_for_batch(cfg, 2) - bytes_for_batch(cfg, 1);
-    const size_t fixed = bytes_for_batch(cfg, 1) - per_image + gemm_workspace_;
+    const int unit = precision == Precision::FP8 ? 16 : 1;  // FP8 batches come in multiples of 16 at most
+    const size_t per_image = (bytes_for_batch(cfg, 2 * unit, precision) - bytes_for_batch(cfg, unit, precision)) / unit;
+    const size_t fixed = bytes_for_batch(cfg, unit, precision) - unit * per_image + gemm_workspace_;
     const long fits = usable > fixed ? static_cast<long>((usable - fixed) / per_image) : 0;
     char msg[400];
     std::snprintf(msg, sizeof msg,
@@ -104,7 +114,7 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
     throw RuntimeError(msg);
   }
 
-  model_ = std::make_unique<ViT>(cfg, opts_.batch, arenas_);
+  model_ = std::make_unique<ViT>(cfg, opts_.batch, arenas_, precision, fp8);
   arenas_.commit();
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
   timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 20 * cfg.depth);  // ~16 scopes a block
@@ -127,7 +137,10 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
 // nothing: the first step recomputes the same batch, activations and gradients.
 void Trainer::prepare() {
   load_batch(0);
-  forward_backward();
+  if (model_->precision() == Precision::FP8 && opts_.fp8_recipe == "delayed")
+    model_->prime_fp8_scales(stream_, *gemm_, *timer_);  // also the first use of every GEMM shape
+  else
+    forward_backward();
   timer_->finish_step(false);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -150,9 +163,18 @@ void Trainer::print_summary() const {
               props_.multiProcessorCount, gib(props_.totalGlobalMem), props_.major, props_.minor,
               peak_tflops_ > 0 ? (std::to_string(static_cast<int>(peak_tflops_)) + " TFLOP/s").c_str()
                                : "unknown (give --peak-tflops for MFU)");
-  std::printf("  precision   %s: bf16 GEMMs and attention with fp32 accumulation; fp32 LayerNorm, softmax, loss,\n"
-              "              residual stream, master weights, gradients and momentum\n",
-              opts_.precision.c_str());
+  if (model_->precision() == Precision::FP8)
+    std::printf("  precision   fp8: qkv/proj/fc1/fc2 GEMMs (forward, input and weight gradients) in FP8, E4M3 weights\n"
+                "              and activations, E5M2 output gradients, per-tensor %s scaling (%s, margin %d);\n"
+                "              patch embedding, head and attention in bf16; LayerNorm, softmax, loss, residual\n"
+                "              stream, master weights, gradients and momentum in fp32\n",
+                opts_.fp8_recipe.c_str(),
+                opts_.fp8_recipe == "delayed" ? ("amax history " + std::to_string(opts_.amax_history)).c_str()
+                                              : "the tensor's own amax",
+                opts_.fp8_margin);
+  else
+    std::printf("  precision   bf16: bf16 GEMMs and attention with fp32 accumulation; fp32 LayerNorm, softmax, loss,\n"
+                "              residual stream, master weights, gradients and momentum\n");
   if (dataset_)
     std::printf("  data        Fashion-MNIST from %s: %d training images (%d batches an epoch, shuffled), %d test\n",
                 opts_.data_dir.c_str(), dataset_->train.count, train_loader_->batches_per_epoch(), dataset_->test.count);
@@ -189,8 +211,10 @@ void Trainer::load_batch(int step) {
 }
 
 void Trainer::forward_backward() {
+  model_->begin_fp8_step(stream_);
   model_->forward(stream_, *gemm_, *timer_);
   model_->backward(stream_, *gemm_, *timer_);
+  model_->end_fp8_step(stream_);
 }
 
 void Trainer::optimizer_step(int step) {
@@ -200,7 +224,8 @@ void Trainer::optimizer_step(int step) {
   const SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
                    static_cast<float>(opts_.weight_decay), opts_.nesterov};
   sgd_momentum_step(model_->params(), model_->momentum(), model_->grads(), model_->params_bf16(),
-                    model_->layout().total(), h, step == 0, stream_);
+                    model_->layout().total(), h, step == 0, stream_, model_->fp8_step_non_finite());
+  model_->cast_fp8_weights(stream_);
 }
 
 double Trainer::evaluate() {
@@ -262,7 +287,7 @@ void Trainer::train() {
   CUDA_CHECK(cudaMallocHost(&loss_host, sizeof(float)));
   std::printf("\n%11s %10s %10s %10s %10s %7s\n", "step", "loss", "ms/step", "images/s", "TFLOP/s", "MFU");
 
-  int window_start = 0;
+  int window_start = 0, skipped_reported = 0;
   for (int step = 0; step < opts_.steps; ++step) {
     if (step == opts_.profile_first) CUDA_CHECK(cudaProfilerStart());
     const int slot = step - window_start;
@@ -296,9 +321,22 @@ void Trainer::train() {
       std::printf("%5d/%-5d %10.4f %10.2f %10.1f %10.1f %7s%s\n", step + 1, opts_.steps, *loss_host, ms,
                   opts_.batch / (ms * 1e-3), tflops, mfu, step < opts_.warmup ? "  (warm-up)" : "");
       std::fflush(stdout);
-      if (!std::isfinite(*loss_host))
+      if (model_->precision() == Precision::FP8) {
+        // The numerics guard: steps whose FP8 tensors saw a non-finite amax were skipped on the
+        // device; a whole window of them means training cannot go on.
+        int skipped = 0;
+        CUDA_CHECK(cudaMemcpy(&skipped, model_->fp8_skipped_steps(), sizeof(int), cudaMemcpyDeviceToHost));
+        if (skipped > skipped_reported) {
+          std::printf("  fp8: %d step(s) skipped for non-finite values so far (scales backed off)\n", skipped);
+          if (skipped - skipped_reported == slot + 1)
+            throw RuntimeError("every one of the last " + std::to_string(slot + 1) +
+                               " steps saw non-finite FP8 values and was skipped; stopping");
+          skipped_reported = skipped;
+        }
+      } else if (!std::isfinite(*loss_host)) {
         throw RuntimeError("the loss is not finite (" + std::to_string(*loss_host) + ") at step " +
                            std::to_string(step + 1) + "; stopping");
+      }
       window_start = step + 1;
     }
     if (dataset_) record_epoch_and_evaluate(step, epochs);

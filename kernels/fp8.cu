@@ -19,7 +19,7 @@ __global__ void cast_kernel(const bf16* __restrict__ in, int rows, int cols, con
                             uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax) {
   __shared__ uint8_t tile[kTile][kTile + 4];
   __shared__ float warp_max[kTile * kTile / (32 * kRowsPerThread)];
-  const float scale = *scale_ptr;
+  const float scale = out ? *scale_ptr : 0.0f;
   const int c = blockIdx.x * kTile + threadIdx.x;
   float m = 0.0f;
 #pragma unroll
@@ -28,9 +28,11 @@ __global__ void cast_kernel(const bf16* __restrict__ in, int rows, int cols, con
     if (r < rows && c < cols) {
       const float v = __bfloat162float(in[static_cast<size_t>(r) * cols + c]);
       m = max_nan(m, fabsf(v));
-      const uint8_t code = __nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, kKind);
-      out[static_cast<size_t>(r) * cols + c] = code;
-      tile[tr][threadIdx.x] = code;
+      if (out) {
+        const uint8_t code = __nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, kKind);
+        out[static_cast<size_t>(r) * cols + c] = code;
+        tile[tr][threadIdx.x] = code;
+      }
     }
   }
   m = warp_max_nan(m);

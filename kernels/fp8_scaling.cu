@@ -7,7 +7,15 @@ __global__ void update_kernel(Fp8Meta* metas, int count, int history_len, int ma
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < count && !fp8_update(metas[i], history_len, margin)) atomicAdd(non_finite, 1);
 }
+__global__ void tally_kernel(const int* non_finite, int* skipped) {
+  if (*non_finite) ++*skipped;
+}
 }  // namespace
+
+void fp8_tally_skip(const int* non_finite, int* skipped_steps, cudaStream_t stream) {
+  tally_kernel<<<1, 1, 0, stream>>>(non_finite, skipped_steps);
+  LAUNCH_CHECK();
+}
 
 void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite, cudaStream_t stream) {
   ENSURE(history_len >= 1 && history_len <= kMaxAmaxHistory, "fp8_update_scales: history length out of range");

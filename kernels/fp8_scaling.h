@@ -4,8 +4,9 @@
 // so the CPU tests check the very code the kernel runs.
 //   delayed: the next step's scale comes from the maximum over the last history_len amaxes
 //   current: history_len 1, updated after the tensor's own amax is known and before its cast
-// scale = fp8_max / amax / 2^margin. A zero or non-finite amax keeps the previous scale and stays
-// out of the history (a non-finite one is the numerics guard's to handle).
+// scale = fp8_max / amax / 2^margin. A zero amax keeps the previous scale. A non-finite one stays
+// out of the history and halves the scale (the back-off of the numerics guard, which also skips
+// the step).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -13,9 +14,11 @@
 
 constexpr int kMaxAmaxHistory = 1024;
 
-struct Fp8Meta {
-  float scale = 1.0f;
-  float scale_inv = 1.0f;
+// scale and scale_inv each start a 16-byte boundary: the GEMMs read scale_inv through
+// cuBLASLt's scale pointers.
+struct alignas(16) Fp8Meta {
+  alignas(16) float scale = 1.0f;
+  alignas(16) float scale_inv = 1.0f;
   float amax = 0.0f;     // this step's, from the casts; reset by the update
   float fp8_max = 448.0f;  // 448 for E4M3, 57344 for E5M2
   float history[kMaxAmaxHistory] = {};  // newest first
@@ -32,18 +35,22 @@ __host__ __device__ inline float fp8_scale_for(float amax, float fp8_max, int ma
 // next step is chosen, the step's amax is reset. Returns false if the step's amax was not finite.
 __host__ __device__ inline bool fp8_update(Fp8Meta& m, int history_len, int margin) {
   const float amax = m.amax;
-  const bool finite = isfinite(amax);
-  if (finite) {
-    for (int i = history_len - 1; i > 0; --i) m.history[i] = m.history[i - 1];
-    m.history[0] = amax;
+  m.amax = 0.0f;
+  if (!isfinite(amax)) {
+    m.scale *= 0.5f;
+    m.scale_inv = 1.0f / m.scale;
+    return false;
   }
+  for (int i = history_len - 1; i > 0; --i) m.history[i] = m.history[i - 1];
+  m.history[0] = amax;
   float hmax = 0.0f;
   for (int i = 0; i < history_len; ++i) hmax = fmaxf(hmax, m.history[i]);
   m.scale = fp8_scale_for(hmax, m.fp8_max, margin, m.scale);
   m.scale_inv = 1.0f / m.scale;
-  m.amax = 0.0f;
-  return finite;
+  return true;
 }
 
-// fp8_update on count metas (one thread each); non_finite[0] += the number whose amax was not.
+// fp8_update on count metas (one thread each); *non_finite += the number whose amax was not.
 void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite, cudaStream_t stream);
+// *skipped_steps += (*non_finite != 0): the numerics guard's count of skipped steps.
+void fp8_tally_skip(const int* non_finite, int* skipped_steps, cudaStream_t stream);

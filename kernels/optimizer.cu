@@ -7,7 +7,9 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void sgd_kernel(float4* __restrict__ p, float4* __restrict__ buf, const float4* __restrict__ g,
-                           __nv_bfloat162* __restrict__ p_bf16, size_t n4, SgdHyper h, bool first_step) {
+                           __nv_bfloat162* __restrict__ p_bf16, size_t n4, SgdHyper h, bool first_step,
+                           const int* __restrict__ skip) {
+  if (skip && *skip) return;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n4; i += size_t(gridDim.x) * blockDim.x) {
     float pv[4], bv[4], gv[4];
     *reinterpret_cast<float4*>(pv) = p[i];
@@ -28,7 +30,7 @@ __global__ void sgd_kernel(float4* __restrict__ p, float4* __restrict__ buf, con
 }  // namespace
 
 void sgd_momentum_step(float* params, float* momentum, const float* grads, bf16* params_bf16, size_t n,
-                       SgdHyper h, bool first_step, cudaStream_t stream) {
+                       SgdHyper h, bool first_step, cudaStream_t stream, const int* skip) {
   NvtxRange range("sgd_momentum_step");
   ENSURE(n % 4 == 0 && is_aligned16(params) && is_aligned16(momentum) && is_aligned16(grads) &&
               is_aligned16(params_bf16),
@@ -36,6 +38,6 @@ void sgd_momentum_step(float* params, float* momentum, const float* grads, bf16*
   sgd_kernel<<<grid_stride_blocks(n / 4, kThreads), kThreads, 0, stream>>>(
       reinterpret_cast<float4*>(params), reinterpret_cast<float4*>(momentum),
       reinterpret_cast<const float4*>(grads), reinterpret_cast<__nv_bfloat162*>(params_bf16), n / 4, h,
-      first_step);
+      first_step, skip);
   LAUNCH_CHECK();
 }

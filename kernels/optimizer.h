@@ -12,5 +12,7 @@ struct SgdHyper {
 };
 
 // n % 4 == 0, all pointers 16-byte aligned. first_step: momentum buffer = gradient.
+// skip (device, may be null): when *skip is non-zero the step changes nothing (FP8's numerics
+// guard skips a step whose gradients saw a non-finite value, without a host round trip).
 void sgd_momentum_step(float* params, float* momentum, const float* grads, __nv_bfloat16* params_bf16,
-                       size_t n, SgdHyper h, bool first_step, cudaStream_t stream);
+                       size_t n, SgdHyper h, bool first_step, cudaStream_t stream, const int* skip = nullptr);

@@ -10,13 +10,16 @@ constexpr int kSumWarps = 8;
 
 // Stage one: partial[chunk, col] = sum of kRowsPerChunk rows; consecutive threads read
 // consecutive columns, so each row's read is coalesced.
-__global__ void colsum_partial_kernel(const float* __restrict__ x, int M, int N, int ld,
-                                      float* __restrict__ partial) {
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
+
+template <class T>
+__global__ void colsum_partial_kernel(const T* __restrict__ x, int M, int N, int ld, float* __restrict__ partial) {
   const int col = blockIdx.x * kThreads + threadIdx.x;
   if (col >= N) return;
   const int r0 = blockIdx.y * kRowsPerChunk, r1 = min(M, r0 + kRowsPerChunk);
   float s = 0;
-  for (int r = r0; r < r1; ++r) s += x[static_cast<size_t>(r) * ld + col];
+  for (int r = r0; r < r1; ++r) s += to_f32(x[static_cast<size_t>(r) * ld + col]);
   partial[static_cast<size_t>(blockIdx.y) * N + col] = s;
 }
 
@@ -45,7 +48,8 @@ size_t colsum_partial_floats(int M, int N) {
   return static_cast<size_t>((M + kRowsPerChunk - 1) / kRowsPerChunk) * N;
 }
 
-void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
+template <class T>
+void colsum_impl(const T* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
   NvtxRange range("colsum");
   ENSURE(M > 0 && N > 0 && ld >= N, "colsum: bad shape");
   const int chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
@@ -53,6 +57,14 @@ void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cu
   colsum_partial_kernel<<<dim3(grid_for(N, kThreads), chunks), kThreads, 0, stream>>>(x, M, N, ld, partial);
   LAUNCH_CHECK();
   sum_rows(partial, chunks, N, N, out, stream);
+}
+
+void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
+  colsum_impl(x, M, N, ld, out, partial, stream);
+}
+
+void colsum(const bf16* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
+  colsum_impl(x, M, N, ld, out, partial, stream);
 }
 
 void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream_t stream) {

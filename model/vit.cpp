@@ -18,9 +18,24 @@ namespace {
 constexpr float kLayerNormEps = 1e-6f;
 }
 
-ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a)
+std::string ViT::fp8_unsupported_reason(const ViTConfig& cfg, int batch) {
+  const int64_t rows = int64_t(batch) * cfg.tokens();
+  if (rows % 16 != 0) {
+    int step = 1;  // the smallest batch multiple whose token rows are a multiple of 16
+    while ((int64_t(step) * cfg.tokens()) % 16 != 0) ++step;
+    return "FP8 GEMMs contract over the batch's token rows, which must be a multiple of 16: with " +
+           std::to_string(cfg.tokens()) + " tokens per image the batch must be a multiple of " + std::to_string(step) +
+           " (got " + std::to_string(batch) + ")";
+  }
+  if (cfg.dim % 16 != 0 || cfg.hidden() % 16 != 0)
+    return "FP8 GEMMs need dim and the MLP hidden size to be multiples of 16 (got " + std::to_string(cfg.dim) + ", " +
+           std::to_string(cfg.hidden()) + ")";
+  return "";
+}
+
+ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, Fp8Options fp8)
     : cfg_(cfg), layout_(cfg), B_(batch), T_(cfg.tokens()), M_(batch * cfg.tokens()),
-      classes_ld_((cfg.classes + 7) / 8 * 8) {
+      classes_ld_((cfg.classes + 7) / 8 * 8), precision_(precision), fp8_(fp8) {
   const size_t D = cfg.dim, H = cfg.hidden(), M = M_, B = B_, P = cfg.patches();
   const size_t n = layout_.total();
   a.params.add(&params_, n);
@@ -41,13 +56,13 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a)
     nvtx_backward_.push_back("block " + std::to_string(l) + " backward");
   }
   for (BlockActs& b : acts_) {
-    s.add(&b.ln1, M * D);
+    if (precision_ == Precision::BF16) s.add(&b.ln1, M * D);  // FP8 keeps its transposed FP8 copy instead
     s.add(&b.ln1_mean, M);
     s.add(&b.ln1_rstd, M);
     s.add(&b.qkv, M * 3 * D);
     s.add(&b.attn, M * D);
     s.add(&b.lse, M * cfg.heads);
-    s.add(&b.ln2, M * D);
+    if (precision_ == Precision::BF16) s.add(&b.ln2, M * D);
     s.add(&b.ln2_mean, M);
     s.add(&b.ln2_rstd, M);
     s.add(&b.fc1, M * H);
@@ -71,8 +86,36 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a)
   w.add(&dlogits_, B * classes_ld_);
   w.add(&dfeat_, B * D);
   w.add(&dpatch_, B * P * D);
-  const size_t partial = std::max({colsum_partial_floats(B_, T_ * cfg.dim), layernorm_partial_floats(M_, cfg.dim),
-                                   gelu_backward_partial_floats(M_, cfg.hidden())});
+  size_t partial = std::max({colsum_partial_floats(B_, T_ * cfg.dim), layernorm_partial_floats(M_, cfg.dim),
+                             gelu_backward_partial_floats(M_, cfg.hidden())});
+
+  for (const BlockParams& b : layout_.blocks) {
+    std::array<Linear, 4> lin;
+    lin[kQkv] = {b.qkv_w, b.qkv_b, 3 * cfg.dim, cfg.dim};
+    lin[kProj] = {b.proj_w, b.proj_b, cfg.dim, cfg.dim};
+    lin[kFc1] = {b.fc1_w, b.fc1_b, cfg.hidden(), cfg.dim};
+    lin[kFc2] = {b.fc2_w, b.fc2_b, cfg.dim, cfg.hidden()};
+    linears_.push_back(lin);
+  }
+  if (precision_ == Precision::FP8) {
+    ENSURE(fp8_unsupported_reason(cfg, batch).empty(), fp8_unsupported_reason(cfg, batch));
+    const size_t widest = std::max(3 * D, H);
+    for (auto& block : linears_)
+      for (Linear& l : block) {
+        a.params.add(&l.w8, size_t(l.n) * l.k);
+        a.params.add(&l.w8t, size_t(l.n) * l.k);
+        s.add(&l.x8t, M * l.k);
+      }
+    a.optimizer.add(&fp8_metas_, linears_.size() * 12);
+    a.optimizer.add(&fp8_step_non_finite_, 1);
+    a.optimizer.add(&fp8_skipped_, 1);
+    a.optimizer.add(&fp8_amax_scratch_, 1);
+    w.add(&ln_fp8_, M * D);  // LayerNorm outputs live only until their FP8 cast
+    w.add(&x8_, M * widest);
+    w.add(&dy8_, M * widest);
+    w.add(&dy8t_, M * widest);
+    partial = std::max(partial, colsum_partial_floats(M_, 3 * cfg.dim));
+  }
   w.add(&partial_, partial);
 }
 
@@ -92,10 +135,112 @@ void ViT::init_params(uint64_t seed, cudaStream_t stream) {
   }
   CUDA_CHECK(cudaMemsetAsync(grads_, 0, layout_.total() * sizeof(float), stream));
   CUDA_CHECK(cudaMemsetAsync(momentum_, 0, layout_.total() * sizeof(float), stream));
+  if (precision_ == Precision::FP8) {
+    std::vector<Fp8Meta> metas(linears_.size() * 12);
+    for (size_t i = 0; i < metas.size(); ++i) metas[i].fp8_max = i % 3 == 2 ? 57344.0f : 448.0f;  // dy: E5M2
+    CUDA_CHECK(cudaMemcpyAsync(fp8_metas_, metas.data(), metas.size() * sizeof(Fp8Meta), cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemsetAsync(fp8_step_non_finite_, 0, sizeof(int), stream));
+    CUDA_CHECK(cudaMemsetAsync(fp8_skipped_, 0, sizeof(int), stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));  // metas goes out of scope
+  }
   sync_bf16_params(stream);
 }
 
-void ViT::sync_bf16_params(cudaStream_t stream) { cast_to_bf16(params_, params_bf16_, layout_.total(), stream); }
+void ViT::sync_bf16_params(cudaStream_t stream) {
+  cast_to_bf16(params_, params_bf16_, layout_.total(), stream);
+  cast_fp8_weights(stream);
+}
+
+// ---- The four Linear layers of a block, in bf16 or FP8 ----
+
+void ViT::fp8_cast(Fp8Meta* m, const bf16* in, int rows, int cols, Fp8Kind kind, uint8_t* out, uint8_t* out_t,
+                   cudaStream_t st) {
+  if (fp8_.current) {  // the tensor's own amax first, its scale from that alone
+    cast_to_fp8(in, rows, cols, nullptr, kind, nullptr, nullptr, &m->amax, st);
+    fp8_update_scales(m, 1, 1, fp8_.margin, fp8_step_non_finite_, st);
+    cast_to_fp8(in, rows, cols, &m->scale, kind, out, out_t, fp8_amax_scratch_, st);
+  } else {  // delayed: the scale from past amaxes; this one is recorded for end_fp8_step
+    cast_to_fp8(in, rows, cols, &m->scale, kind, out, out_t, &m->amax, st);
+  }
+}
+
+void ViT::linear_forward(Gemm& gemm, int l, Lin lin, const bf16* x, const float* residual, void* y, DType y_type,
+                         cudaStream_t st) {
+  const Linear& L = linears_[l][lin];
+  if (precision_ == Precision::BF16) {
+    gemm.linear_forward(x, pb(L.w), y_type == DType::F32 ? static_cast<const void*>(p(L.b)) : pb(L.b), residual, y,
+                        y_type, M_, L.n, L.k, st);
+    return;
+  }
+  fp8_cast(meta(l, lin, 0), x, M_, L.k, Fp8Kind::E4M3, x8_, L.x8t, st);
+  gemm.linear_fp8(x8_, DType::E4M3, &meta(l, lin, 0)->scale_inv, L.w8, DType::E4M3, &meta(l, lin, 1)->scale_inv,
+                  pb(L.b), residual, y, y_type, M_, L.n, L.k, st);
+}
+
+void ViT::prepare_output_grad(int l, Lin lin, const bf16* dy, cudaStream_t st) {
+  if (precision_ == Precision::FP8) fp8_cast(meta(l, lin, 2), dy, M_, linears_[l][lin].n, Fp8Kind::E5M2, dy8_, dy8t_, st);
+}
+
+void ViT::linear_backward_input(Gemm& gemm, int l, Lin lin, const bf16* dy, bf16* dx, cudaStream_t st) {
+  const Linear& L = linears_[l][lin];
+  if (precision_ == Precision::BF16) {
+    gemm.linear_backward_input(dy, pb(L.w), dx, M_, L.n, L.k, st);
+    return;
+  }
+  // dx[M, k] = dy[M, n] W[n, k]: K-contiguous operands are dy and W^T.
+  gemm.linear_fp8(dy8_, DType::E5M2, &meta(l, lin, 2)->scale_inv, L.w8t, DType::E4M3, &meta(l, lin, 1)->scale_inv,
+                  nullptr, nullptr, dx, DType::BF16, M_, L.k, L.n, st);
+}
+
+void ViT::linear_backward_weight(Gemm& gemm, int l, Lin lin, const bf16* dy, const bf16* x, bool bias_grad,
+                                 cudaStream_t st) {
+  const Linear& L = linears_[l][lin];
+  if (precision_ == Precision::BF16) {
+    gemm.linear_backward_weight(dy, x, g(L.w), bias_grad ? g(L.b) : nullptr, M_, L.n, L.k, st);
+    return;
+  }
+  // dW[n, k] = dy^T x, contracting over the token rows: dy^T and x^T are the K-contiguous copies.
+  gemm.linear_fp8(dy8t_, DType::E5M2, &meta(l, lin, 2)->scale_inv, L.x8t, DType::E4M3, &meta(l, lin, 0)->scale_inv,
+                  nullptr, nullptr, g(L.w), DType::F32, L.n, L.k, M_, st);
+  if (bias_grad) colsum(dy, M_, L.n, L.n, g(L.b), partial_, st);  // no bias-gradient epilogue for FP8
+}
+
+// ---- FP8 bookkeeping of a step ----
+
+void ViT::begin_fp8_step(cudaStream_t st) {
+  if (precision_ == Precision::FP8) CUDA_CHECK(cudaMemsetAsync(fp8_step_non_finite_, 0, sizeof(int), st));
+}
+
+void ViT::end_fp8_step(cudaStream_t st) {
+  if (precision_ != Precision::FP8) return;
+  if (!fp8_.current)
+    fp8_update_scales(fp8_metas_, static_cast<int>(linears_.size()) * 12, fp8_.history, fp8_.margin,
+                      fp8_step_non_finite_, st);
+  fp8_tally_skip(fp8_step_non_finite_, fp8_skipped_, st);
+}
+
+void ViT::cast_fp8_weights(cudaStream_t st) {
+  if (precision_ != Precision::FP8) return;
+  NvtxRange range("fp8 weight casts");
+  for (int l = 0; l < cfg_.depth; ++l)
+    for (int lin = 0; lin < 4; ++lin) {
+      const Linear& L = linears_[l][lin];
+      fp8_cast(meta(l, Lin(lin), 1), pb(L.w), L.n, L.k, Fp8Kind::E4M3, L.w8, L.w8t, st);
+    }
+}
+
+void ViT::prime_fp8_scales(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
+  if (precision_ != Precision::FP8 || fp8_.current) return;
+  // Delayed scaling needs past amaxes; at the start there are none (scale 1 would flush most
+  // gradients to zero). One forward and backward with current scaling fills every history.
+  fp8_.current = true;
+  cast_fp8_weights(st);
+  forward(st, gemm, timer);
+  backward(st, gemm, timer);
+  fp8_.current = false;
+  CUDA_CHECK(cudaMemsetAsync(fp8_step_non_finite_, 0, sizeof(int), st));
+  cast_fp8_weights(st);  // with the primed scales, recording the weights' amaxes for step 0's update
+}
 
 void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   NvtxRange range("forward");
@@ -115,21 +260,20 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
     const BlockParams& w = layout_.blocks[l];
     const BlockActs& a = acts_[l];
     const float *x = resid(2 * l), *x_mid = resid(2 * l + 1);
+    bf16* ln1 = precision_ == Precision::FP8 ? ln_fp8_ : a.ln1;
+    bf16* ln2 = precision_ == Precision::FP8 ? ln_fp8_ : a.ln2;
     { auto t = timer.op(OpKind::LayerNorm, st);
-      layernorm_forward(x, D, p(w.norm1_w), p(w.norm1_b), a.ln1, a.ln1_mean, a.ln1_rstd, M_, D, kLayerNormEps, st); }
-    { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_forward(a.ln1, pb(w.qkv_w), pb(w.qkv_b), nullptr, a.qkv, DType::BF16, M_, 3 * D, D, st); }
+      layernorm_forward(x, D, p(w.norm1_w), p(w.norm1_b), ln1, a.ln1_mean, a.ln1_rstd, M_, D, kLayerNormEps, st); }
+    { auto t = timer.op(OpKind::Gemm, st); linear_forward(gemm, l, kQkv, ln1, nullptr, a.qkv, DType::BF16, st); }
     { auto t = timer.op(OpKind::Attention, st);
       attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
     { auto t = timer.op(OpKind::Gemm, st);  // x_mid = x + proj(attn), the residual through C
-      gemm.linear_forward(a.attn, pb(w.proj_w), p(w.proj_b), x, resid(2 * l + 1), DType::F32, M_, D, D, st); }
+      linear_forward(gemm, l, kProj, a.attn, x, resid(2 * l + 1), DType::F32, st); }
     { auto t = timer.op(OpKind::LayerNorm, st);
-      layernorm_forward(x_mid, D, p(w.norm2_w), p(w.norm2_b), a.ln2, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps, st); }
-    { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_forward(a.ln2, pb(w.fc1_w), pb(w.fc1_b), nullptr, a.fc1, DType::BF16, M_, Hd, D, st); }
+      layernorm_forward(x_mid, D, p(w.norm2_w), p(w.norm2_b), ln2, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps, st); }
+    { auto t = timer.op(OpKind::Gemm, st); linear_forward(gemm, l, kFc1, ln2, nullptr, a.fc1, DType::BF16, st); }
     { auto t = timer.op(OpKind::Gelu, st); gelu_forward(a.fc1, gelu_, static_cast<size_t>(M_) * Hd, st); }
-    { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_forward(gelu_, pb(w.fc2_w), p(w.fc2_b), x_mid, resid(2 * l + 2), DType::F32, M_, D, Hd, st); }
+    { auto t = timer.op(OpKind::Gemm, st); linear_forward(gemm, l, kFc2, gelu_, x_mid, resid(2 * l + 2), DType::F32, st); }
   }
   {
     NvtxRange r("head and loss");
@@ -168,25 +312,30 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
     const BlockActs& a = acts_[l];
     // MLP: dresid is the gradient of this block's output, and of fc2's output. The GELU output
     // is recomputed in the pass that applies GELU's derivative (4 GiB less for ViT-H at batch 64).
-    { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dresid_bf16_, pb(w.fc2_w), dhidden_, M_, D, Hd, st); }
+    { auto t = timer.op(OpKind::Gemm, st);
+      prepare_output_grad(l, kFc2, dresid_bf16_, st);
+      linear_backward_input(gemm, l, kFc2, dresid_bf16_, dhidden_, st); }
     { auto t = timer.op(OpKind::Gelu, st);
       gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, g(w.fc1_b), partial_, M_, Hd, st); }
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dresid_bf16_, gelu_, g(w.fc2_w), g(w.fc2_b), M_, D, Hd, st);
-      gemm.linear_backward_weight(dhidden_, a.ln2, g(w.fc1_w), nullptr, M_, Hd, D, st);
-      gemm.linear_backward_input(dhidden_, pb(w.fc1_w), dln_, M_, Hd, D, st); }
+      linear_backward_weight(gemm, l, kFc2, dresid_bf16_, gelu_, true, st);
+      prepare_output_grad(l, kFc1, dhidden_, st);
+      linear_backward_weight(gemm, l, kFc1, dhidden_, a.ln2, false, st);
+      linear_backward_input(gemm, l, kFc1, dhidden_, dln_, st); }
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dresid_bf16_,
                          g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
     // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dresid_bf16_, a.attn, g(w.proj_w), g(w.proj_b), M_, D, D, st);
-      gemm.linear_backward_input(dresid_bf16_, pb(w.proj_w), dattn_, M_, D, D, st); }
+      prepare_output_grad(l, kProj, dresid_bf16_, st);
+      linear_backward_weight(gemm, l, kProj, dresid_bf16_, a.attn, true, st);
+      linear_backward_input(gemm, l, kProj, dresid_bf16_, dattn_, st); }
     { auto t = timer.op(OpKind::Attention, st);
       attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dqkv_, a.ln1, g(w.qkv_w), g(w.qkv_b), M_, 3 * D, D, st);
-      gemm.linear_backward_input(dqkv_, pb(w.qkv_w), dln_, M_, 3 * D, D, st); }
+      prepare_output_grad(l, kQkv, dqkv_, st);
+      linear_backward_weight(gemm, l, kQkv, dqkv_, a.ln1, true, st);
+      linear_backward_input(gemm, l, kQkv, dqkv_, dln_, st); }
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
                          g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }

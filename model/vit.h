@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -12,13 +13,26 @@
 #include "engine/arena.h"
 #include "engine/gemm.h"
 #include "engine/timing.h"
+#include "kernels/fp8.h"
+#include "kernels/fp8_scaling.h"
 #include "model/config.h"
 #include "model/params.h"
 
 using bf16 = __nv_bfloat16;
 
+// bf16: bf16 GEMMs. fp8: the four Linear layers of every block run all three of their GEMMs in
+// FP8 (E4M3 weights and activations, E5M2 output gradients, per-tensor scales on the device);
+// everything else as in bf16.
+enum class Precision { BF16, FP8 };
+
+struct Fp8Options {
+  bool current = false;  // scale from the tensor's own amax (else delayed: the amax history's)
+  int history = 16;      // delayed: amaxes remembered
+  int margin = 0;        // scale = fp8_max / amax / 2^margin
+};
+
 struct ModelArenas {
-  Arena params{"parameters (fp32 master + bf16 copy)"};
+  Arena params{"parameters (fp32 master, bf16 and fp8 copies)"};
   Arena grads{"gradients (fp32)"};
   Arena optimizer{"optimizer state (fp32 momentum)"};
   Arena activations{"activations saved for backward"};
@@ -39,7 +53,11 @@ struct ModelArenas {
 class ViT {
  public:
   // Declares every buffer in the arenas; pointers are valid after the arenas are committed.
-  ViT(const ViTConfig& cfg, int batch, ModelArenas& arenas);
+  ViT(const ViTConfig& cfg, int batch, ModelArenas& arenas, Precision precision = Precision::BF16,
+      Fp8Options fp8 = {});
+  // Empty if this batch and shape can run in FP8, else the reason (token count and features
+  // must be multiples of 16: Hopper's FP8 GEMMs).
+  static std::string fp8_unsupported_reason(const ViTConfig& cfg, int batch);
 
   const ViTConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
@@ -48,8 +66,22 @@ class ViT {
   // timm's initialisation, drawn on the device from the seed; also writes the bf16 copy and
   // zeroes gradients and momentum.
   void init_params(uint64_t seed, cudaStream_t stream);
-  // After the fp32 master weights were written from outside (tests, loading): refresh the copy.
+  // After the fp32 master weights were written from outside (tests, loading): refresh the copy
+  // (and, in FP8, the FP8 weight copies).
   void sync_bf16_params(cudaStream_t stream);
+
+  // FP8 bookkeeping around a step (no-ops in bf16): begin_step clears the step's non-finite
+  // flag; end_step updates the delayed recipe's scales from the step's amaxes and counts a
+  // skipped step; after the optimizer, cast_fp8_weights makes the next forward's weight copies.
+  // The optimizer skips the update when *fp8_step_non_finite() is set. prime_fp8_scales runs one
+  // forward and backward with current scaling to start the delayed recipe from real amaxes.
+  void begin_fp8_step(cudaStream_t stream);
+  void end_fp8_step(cudaStream_t stream);
+  void cast_fp8_weights(cudaStream_t stream);
+  void prime_fp8_scales(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
+  const int* fp8_step_non_finite() const { return fp8_step_non_finite_; }
+  const int* fp8_skipped_steps() const { return fp8_skipped_; }
+  Precision precision() const { return precision_; }
 
   // Forward and loss on images [B, C, H, W] fp32 and labels [B]; leaves loss() and logits().
   void forward(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
@@ -73,6 +105,26 @@ class ViT {
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd, *lse;
     bf16 *ln1, *qkv, *attn, *ln2, *fc1;  // fc1: the pre-GELU activation; GELU is recomputed
   };
+  // One Linear layer of a block: its parameter tensors and, in FP8, its weight copies and the
+  // transposed FP8 copy of its input kept for the weight gradient.
+  enum Lin { kQkv, kProj, kFc1, kFc2 };
+  struct Linear {
+    int w, b, n, k;  // weight [n, k] and bias [n] tensor indices
+    uint8_t *w8 = nullptr, *w8t = nullptr, *x8t = nullptr;
+  };
+  // y = x W^T + b (+ residual), in bf16 or FP8 (x cast on the way).
+  void linear_forward(Gemm& gemm, int l, Lin lin, const bf16* x, const float* residual, void* y, DType y_type,
+                      cudaStream_t st);
+  // Before a layer's two backward products: in FP8, casts the output gradient.
+  void prepare_output_grad(int l, Lin lin, const bf16* dy, cudaStream_t st);
+  void linear_backward_input(Gemm& gemm, int l, Lin lin, const bf16* dy, bf16* dx, cudaStream_t st);
+  // dW (and db when bias_grad; fc1's comes from the GELU backward) from dy and the input x.
+  void linear_backward_weight(Gemm& gemm, int l, Lin lin, const bf16* dy, const bf16* x, bool bias_grad,
+                              cudaStream_t st);
+  Fp8Meta* meta(int l, Lin lin, int role) const { return fp8_metas_ + (l * 4 + lin) * 3 + role; }  // 0 x, 1 w, 2 dy
+  void fp8_cast(Fp8Meta* m, const bf16* in, int rows, int cols, Fp8Kind kind, uint8_t* out, uint8_t* out_t,
+                cudaStream_t st);
+
   const float* p(int t) const { return params_ + layout_.at(t).offset; }
   const bf16* pb(int t) const { return params_bf16_ + layout_.at(t).offset; }
   float* g(int t) const { return grads_ + layout_.at(t).offset; }
@@ -81,6 +133,14 @@ class ViT {
   ViTConfig cfg_;
   ParamLayout layout_;
   int B_, T_, M_, classes_ld_;
+  Precision precision_;
+  Fp8Options fp8_;
+  std::vector<std::array<Linear, 4>> linears_;
+  Fp8Meta* fp8_metas_ = nullptr;
+  int *fp8_step_non_finite_ = nullptr, *fp8_skipped_ = nullptr;
+  float* fp8_amax_scratch_ = nullptr;
+  uint8_t *x8_ = nullptr, *dy8_ = nullptr, *dy8t_ = nullptr;  // FP8 operands of the current product
+  bf16* ln_fp8_ = nullptr;  // FP8: the LayerNorm output of the moment (not kept for backward)
 
   float *params_, *grads_, *momentum_;
   bf16* params_bf16_;

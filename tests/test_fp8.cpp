@@ -86,13 +86,19 @@ TEST_CASE("fp8 scaling: delayed recipe, history roll, margin, zero and non-finit
   m.amax = 0.5f;
   CHECK(fp8_update(m, 4, 2));  // margin 2: a quarter
   CHECK(m.scale == 224.0f);
-  // Non-finite amaxes stay out of the history and keep the scale; the update reports them.
+  // Non-finite amaxes stay out of the history and halve the scale; the update reports them.
+  float expect = 224.0f;
   for (float bad : {NAN, INFINITY}) {
     m.amax = bad;
     CHECK_FALSE(fp8_update(m, 4, 2));
-    CHECK(m.scale == 224.0f);
+    expect *= 0.5f;
+    CHECK(m.scale == expect);
+    CHECK(m.scale_inv == 1.0f / expect);
     CHECK(m.history[0] == 0.5f);
   }
+  m.amax = 0.5f;  // a finite amax again: the history decides
+  CHECK(fp8_update(m, 4, 2));
+  CHECK(m.scale == 224.0f);
   // All-zero history (a tensor that was zero so far) keeps the scale too.
   Fp8Meta z;
   z.scale = 3.0f;
@@ -132,7 +138,8 @@ TEST_CASE("gpu: FP8 GEMMs (E4M3 x E4M3, E5M2 x E4M3) against a float64 product o
   struct Case { DType a, b, y; ref::Fp8 fa, fb; bool bias; };
   for (Case c : {Case{DType::E4M3, DType::E4M3, DType::BF16, ref::Fp8::E4M3, ref::Fp8::E4M3, true},
                  Case{DType::E5M2, DType::E4M3, DType::BF16, ref::Fp8::E5M2, ref::Fp8::E4M3, false},
-                 Case{DType::E5M2, DType::E4M3, DType::F32, ref::Fp8::E5M2, ref::Fp8::E4M3, false}}) {
+                 Case{DType::E5M2, DType::E4M3, DType::F32, ref::Fp8::E5M2, ref::Fp8::E4M3, false},
+                 Case{DType::E4M3, DType::E4M3, DType::F32, ref::Fp8::E4M3, ref::Fp8::E4M3, true}}) {
     CAPTURE(static_cast<int>(c.a));
     CAPTURE(static_cast<int>(c.y));
     const auto a = random_codes(rng, static_cast<size_t>(M) * K, c.fa), b = random_codes(rng, static_cast<size_t>(N) * K, c.fb);
@@ -154,9 +161,12 @@ TEST_CASE("gpu: FP8 GEMMs (E4M3 x E4M3, E5M2 x E4M3) against a float64 product o
       gemm.linear_fp8(da.get(), c.a, dsa.get(), db.get(), c.b, dsb.get(), c.bias ? dbias.get() : nullptr, nullptr,
                       y.get(), c.y, M, N, K, 0);
       CHECK(rel_error(to_f64(y.download()), want) < 5e-3);
-    } else {
-      DeviceBuffer<float> y(static_cast<size_t>(M) * N);
-      gemm.linear_fp8(da.get(), c.a, dsa.get(), db.get(), c.b, dsb.get(), nullptr, nullptr, y.get(), c.y, M, N, K, 0);
+    } else {  // fp32 out, as the residual stream: with a bf16 bias, the residual added through C
+      const auto resid = round_f32(random_vec(rng, static_cast<size_t>(M) * N));
+      for (size_t i = 0; i < want.size(); ++i) want[i] += c.bias ? resid[i] : 0.0;
+      DeviceBuffer<float> y(static_cast<size_t>(M) * N), r(to_f32(resid));
+      gemm.linear_fp8(da.get(), c.a, dsa.get(), db.get(), c.b, dsb.get(), c.bias ? dbias.get() : nullptr,
+                      c.bias ? r.get() : nullptr, y.get(), c.y, M, N, K, 0);
       // Hopper's FP8 tensor cores keep fewer mantissa bits than fp32 between their promotions
       // to the fp32 accumulator: ~2e-4 measured, where bf16 inputs give ~1e-7.
       CHECK(rel_error(to_f64(y.download()), want) < 1e-3);

@@ -122,7 +122,11 @@ TEST_CASE("gpu: column sums") {
     for (int r = 0; r < M; ++r)
       for (int c = 0; c < N; ++c) ref_sum[c] += x[static_cast<size_t>(r) * ld + c];
     DeviceBuffer<float> xf(to_f32(x)), out(N), partial(colsum_partial_floats(M, N));
+    DeviceBuffer<bf16> xb(to_bf16(x));
     colsum(xf.get(), M, N, ld, out.get(), partial.get(), 0);
+    CHECK(rel_error(to_f64(out.download()), ref_sum) < 1e-5);
+    out.poison();
+    colsum(xb.get(), M, N, ld, out.get(), partial.get(), 0);
     CHECK(rel_error(to_f64(out.download()), ref_sum) < 1e-5);
   }
 }
