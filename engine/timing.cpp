@@ -5,8 +5,8 @@
 #include "engine/check.h"
 
 namespace {
-const char* kOpNames[] = {"GEMM (cuBLASLt)", "attention", "LayerNorm", "GELU", "patch/pos embed",
-                          "loss", "optimizer", "data"};
+const char* kOpNames[] = {"GEMM (cuBLASLt)", "FP8 casts", "bias grads", "attention", "LayerNorm", "GELU",
+                          "patch/pos embed", "loss", "optimizer", "data"};
 const char* kPhaseNames[] = {"forward", "backward", "optimizer"};
 }  // namespace
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-enum class OpKind { Gemm, Attention, LayerNorm, Gelu, Embed, Loss, Optimizer, Data, Count };
+enum class OpKind { Gemm, Fp8Cast, BiasGrad, Attention, LayerNorm, Gelu, Embed, Loss, Optimizer, Data, Count };
 enum class Phase { Forward, Backward, Optimizer, Count };
 
 class OpTimer {

@@ -164,25 +164,31 @@ void ViT::fp8_cast(Fp8Meta* m, const bf16* in, int rows, int cols, Fp8Kind kind,
   }
 }
 
-void ViT::linear_forward(Gemm& gemm, int l, Lin lin, const bf16* x, const float* residual, void* y, DType y_type,
-                         cudaStream_t st) {
+void ViT::linear_forward(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* x, const float* residual, void* y,
+                         DType y_type, cudaStream_t st) {
   const Linear& L = linears_[l][lin];
   if (precision_ == Precision::BF16) {
+    auto t = timer.op(OpKind::Gemm, st);
     gemm.linear_forward(x, pb(L.w), y_type == DType::F32 ? static_cast<const void*>(p(L.b)) : pb(L.b), residual, y,
                         y_type, M_, L.n, L.k, st);
     return;
   }
-  fp8_cast(meta(l, lin, 0), x, M_, L.k, Fp8Kind::E4M3, x8_, L.x8t, st);
+  { auto t = timer.op(OpKind::Fp8Cast, st); fp8_cast(meta(l, lin, 0), x, M_, L.k, Fp8Kind::E4M3, x8_, L.x8t, st); }
+  auto t = timer.op(OpKind::Gemm, st);
   gemm.linear_fp8(x8_, DType::E4M3, &meta(l, lin, 0)->scale_inv, L.w8, DType::E4M3, &meta(l, lin, 1)->scale_inv,
                   pb(L.b), residual, y, y_type, M_, L.n, L.k, st);
 }
 
-void ViT::prepare_output_grad(int l, Lin lin, const bf16* dy, cudaStream_t st) {
-  if (precision_ == Precision::FP8) fp8_cast(meta(l, lin, 2), dy, M_, linears_[l][lin].n, Fp8Kind::E5M2, dy8_, dy8t_, st);
+void ViT::prepare_output_grad(OpTimer& timer, int l, Lin lin, const bf16* dy, cudaStream_t st) {
+  if (precision_ != Precision::FP8) return;
+  auto t = timer.op(OpKind::Fp8Cast, st);
+  fp8_cast(meta(l, lin, 2), dy, M_, linears_[l][lin].n, Fp8Kind::E5M2, dy8_, dy8t_, st);
 }
 
-void ViT::linear_backward_input(Gemm& gemm, int l, Lin lin, const bf16* dy, bf16* dx, cudaStream_t st) {
+void ViT::linear_backward_input(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* dy, bf16* dx,
+                                cudaStream_t st) {
   const Linear& L = linears_[l][lin];
+  auto t = timer.op(OpKind::Gemm, st);
   if (precision_ == Precision::BF16) {
     gemm.linear_backward_input(dy, pb(L.w), dx, M_, L.n, L.k, st);
     return;
@@ -192,17 +198,23 @@ void ViT::linear_backward_input(Gemm& gemm, int l, Lin lin, const bf16* dy, bf16
                   nullptr, nullptr, dx, DType::BF16, M_, L.k, L.n, st);
 }
 
-void ViT::linear_backward_weight(Gemm& gemm, int l, Lin lin, const bf16* dy, const bf16* x, bool bias_grad,
-                                 cudaStream_t st) {
+void ViT::linear_backward_weight(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* dy, const bf16* x,
+                                 bool bias_grad, cudaStream_t st) {
   const Linear& L = linears_[l][lin];
   if (precision_ == Precision::BF16) {
+    auto t = timer.op(OpKind::Gemm, st);
     gemm.linear_backward_weight(dy, x, g(L.w), bias_grad ? g(L.b) : nullptr, M_, L.n, L.k, st);
     return;
   }
-  // dW[n, k] = dy^T x, contracting over the token rows: dy^T and x^T are the K-contiguous copies.
-  gemm.linear_fp8(dy8t_, DType::E5M2, &meta(l, lin, 2)->scale_inv, L.x8t, DType::E4M3, &meta(l, lin, 0)->scale_inv,
-                  nullptr, nullptr, g(L.w), DType::F32, L.n, L.k, M_, st);
-  if (bias_grad) colsum(dy, M_, L.n, L.n, g(L.b), partial_, st);  // no bias-gradient epilogue for FP8
+  {  // dW[n, k] = dy^T x, contracting over the token rows: dy^T and x^T are the K-contiguous copies.
+    auto t = timer.op(OpKind::Gemm, st);
+    gemm.linear_fp8(dy8t_, DType::E5M2, &meta(l, lin, 2)->scale_inv, L.x8t, DType::E4M3, &meta(l, lin, 0)->scale_inv,
+                    nullptr, nullptr, g(L.w), DType::F32, L.n, L.k, M_, st);
+  }
+  if (bias_grad) {  // no bias-gradient epilogue for FP8 products
+    auto t = timer.op(OpKind::BiasGrad, st);
+    colsum(dy, M_, L.n, L.n, g(L.b), partial_, st);
+  }
 }
 
 // ---- FP8 bookkeeping of a step ----
@@ -219,9 +231,11 @@ void ViT::end_fp8_step(cudaStream_t st) {
   fp8_tally_skip(fp8_step_non_finite_, fp8_skipped_, st);
 }
 
-void ViT::cast_fp8_weights(cudaStream_t st) {
+void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {
   if (precision_ != Precision::FP8) return;
   NvtxRange range("fp8 weight casts");
+  OpTimer untimed(false);
+  auto t = (timer ? *timer : untimed).op(OpKind::Fp8Cast, st);
   for (int l = 0; l < cfg_.depth; ++l)
     for (int lin = 0; lin < 4; ++lin) {
       const Linear& L = linears_[l][lin];
@@ -264,16 +278,15 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
     bf16* ln2 = precision_ == Precision::FP8 ? ln_fp8_ : a.ln2;
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_forward(x, D, p(w.norm1_w), p(w.norm1_b), ln1, a.ln1_mean, a.ln1_rstd, M_, D, kLayerNormEps, st); }
-    { auto t = timer.op(OpKind::Gemm, st); linear_forward(gemm, l, kQkv, ln1, nullptr, a.qkv, DType::BF16, st); }
+    linear_forward(gemm, timer, l, kQkv, ln1, nullptr, a.qkv, DType::BF16, st);
     { auto t = timer.op(OpKind::Attention, st);
       attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
-    { auto t = timer.op(OpKind::Gemm, st);  // x_mid = x + proj(attn), the residual through C
-      linear_forward(gemm, l, kProj, a.attn, x, resid(2 * l + 1), DType::F32, st); }
+    linear_forward(gemm, timer, l, kProj, a.attn, x, resid(2 * l + 1), DType::F32, st);  // x_mid = x + proj(attn)
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_forward(x_mid, D, p(w.norm2_w), p(w.norm2_b), ln2, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps, st); }
-    { auto t = timer.op(OpKind::Gemm, st); linear_forward(gemm, l, kFc1, ln2, nullptr, a.fc1, DType::BF16, st); }
+    linear_forward(gemm, timer, l, kFc1, ln2, nullptr, a.fc1, DType::BF16, st);
     { auto t = timer.op(OpKind::Gelu, st); gelu_forward(a.fc1, gelu_, static_cast<size_t>(M_) * Hd, st); }
-    { auto t = timer.op(OpKind::Gemm, st); linear_forward(gemm, l, kFc2, gelu_, x_mid, resid(2 * l + 2), DType::F32, st); }
+    linear_forward(gemm, timer, l, kFc2, gelu_, x_mid, resid(2 * l + 2), DType::F32, st);
   }
   {
     NvtxRange r("head and loss");
@@ -312,30 +325,26 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
     const BlockActs& a = acts_[l];
     // MLP: dresid is the gradient of this block's output, and of fc2's output. The GELU output
     // is recomputed in the pass that applies GELU's derivative (4 GiB less for ViT-H at batch 64).
-    { auto t = timer.op(OpKind::Gemm, st);
-      prepare_output_grad(l, kFc2, dresid_bf16_, st);
-      linear_backward_input(gemm, l, kFc2, dresid_bf16_, dhidden_, st); }
+    prepare_output_grad(timer, l, kFc2, dresid_bf16_, st);
+    linear_backward_input(gemm, timer, l, kFc2, dresid_bf16_, dhidden_, st);
     { auto t = timer.op(OpKind::Gelu, st);
       gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, g(w.fc1_b), partial_, M_, Hd, st); }
-    { auto t = timer.op(OpKind::Gemm, st);
-      linear_backward_weight(gemm, l, kFc2, dresid_bf16_, gelu_, true, st);
-      prepare_output_grad(l, kFc1, dhidden_, st);
-      linear_backward_weight(gemm, l, kFc1, dhidden_, a.ln2, false, st);
-      linear_backward_input(gemm, l, kFc1, dhidden_, dln_, st); }
+    linear_backward_weight(gemm, timer, l, kFc2, dresid_bf16_, gelu_, true, st);
+    prepare_output_grad(timer, l, kFc1, dhidden_, st);
+    linear_backward_weight(gemm, timer, l, kFc1, dhidden_, a.ln2, false, st);
+    linear_backward_input(gemm, timer, l, kFc1, dhidden_, dln_, st);
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dresid_bf16_,
                          g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
     // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
-    { auto t = timer.op(OpKind::Gemm, st);
-      prepare_output_grad(l, kProj, dresid_bf16_, st);
-      linear_backward_weight(gemm, l, kProj, dresid_bf16_, a.attn, true, st);
-      linear_backward_input(gemm, l, kProj, dresid_bf16_, dattn_, st); }
+    prepare_output_grad(timer, l, kProj, dresid_bf16_, st);
+    linear_backward_weight(gemm, timer, l, kProj, dresid_bf16_, a.attn, true, st);
+    linear_backward_input(gemm, timer, l, kProj, dresid_bf16_, dattn_, st);
     { auto t = timer.op(OpKind::Attention, st);
       attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
-    { auto t = timer.op(OpKind::Gemm, st);
-      prepare_output_grad(l, kQkv, dqkv_, st);
-      linear_backward_weight(gemm, l, kQkv, dqkv_, a.ln1, true, st);
-      linear_backward_input(gemm, l, kQkv, dqkv_, dln_, st); }
+    prepare_output_grad(timer, l, kQkv, dqkv_, st);
+    linear_backward_weight(gemm, timer, l, kQkv, dqkv_, a.ln1, true, st);
+    linear_backward_input(gemm, timer, l, kQkv, dqkv_, dln_, st);
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
                          g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }

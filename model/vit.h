@@ -77,7 +77,7 @@ class ViT {
   // forward and backward with current scaling to start the delayed recipe from real amaxes.
   void begin_fp8_step(cudaStream_t stream);
   void end_fp8_step(cudaStream_t stream);
-  void cast_fp8_weights(cudaStream_t stream);
+  void cast_fp8_weights(cudaStream_t stream, OpTimer* timer = nullptr);
   void prime_fp8_scales(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
   const int* fp8_step_non_finite() const { return fp8_step_non_finite_; }
   const int* fp8_skipped_steps() const { return fp8_skipped_; }
@@ -113,14 +113,14 @@ class ViT {
     uint8_t *w8 = nullptr, *w8t = nullptr, *x8t = nullptr;
   };
   // y = x W^T + b (+ residual), in bf16 or FP8 (x cast on the way).
-  void linear_forward(Gemm& gemm, int l, Lin lin, const bf16* x, const float* residual, void* y, DType y_type,
-                      cudaStream_t st);
+  void linear_forward(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* x, const float* residual, void* y,
+                      DType y_type, cudaStream_t st);
   // Before a layer's two backward products: in FP8, casts the output gradient.
-  void prepare_output_grad(int l, Lin lin, const bf16* dy, cudaStream_t st);
-  void linear_backward_input(Gemm& gemm, int l, Lin lin, const bf16* dy, bf16* dx, cudaStream_t st);
+  void prepare_output_grad(OpTimer& timer, int l, Lin lin, const bf16* dy, cudaStream_t st);
+  void linear_backward_input(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* dy, bf16* dx, cudaStream_t st);
   // dW (and db when bias_grad; fc1's comes from the GELU backward) from dy and the input x.
-  void linear_backward_weight(Gemm& gemm, int l, Lin lin, const bf16* dy, const bf16* x, bool bias_grad,
-                              cudaStream_t st);
+  void linear_backward_weight(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* dy, const bf16* x,
+                              bool bias_grad, cudaStream_t st);
   Fp8Meta* meta(int l, Lin lin, int role) const { return fp8_metas_ + (l * 4 + lin) * 3 + role; }  // 0 x, 1 w, 2 dy
   void fp8_cast(Fp8Meta* m, const bf16* in, int rows, int cols, Fp8Kind kind, uint8_t* out, uint8_t* out_t,
                 cudaStream_t st);
