@@ -36,7 +36,8 @@ for part in $parts; do
       run ref_small python3 tools/timm_reference.py /tmp/ref_small ;;
     bench) OUT=$OUT run bench tools/bench.sh
       run gemm_rate ./gemm_rate ;;
-    timing) run timing ./vit_train --steps 15 --warmup 5 --timing ;;
+    timing) run timing ./vit_train --steps 15 --warmup 5 --timing
+      run timing_fp8 ./vit_train --precision fp8 --steps 15 --warmup 5 --timing ;;
     fashion_bf16)
       run fashion_bf16 ./vit_train --data "fashion-mnist:${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}" \
         --img 28 --patch 4 --channels 1 --classes 10 --dim 192 --depth 6 --heads 3 --batch 128 --epochs 10 \
