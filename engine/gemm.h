@@ -18,7 +18,8 @@
 // to the factor that turns its codes back into values (the inverse of its quantisation scale).
 enum class DType { BF16, F32, E4M3, E5M2 };
 
-// What the epilogue adds to the product. Bias: D += bias[N] (bias in D's dtype). BiasGrad:
+// What the epilogue adds to the product. Bias: D += bias[N] (bias in D's dtype; bf16 for FP8
+// products whatever D is). BiasGrad:
 // also writes bias[M] = sum over K of op(A), the bias gradient of a weight-gradient product
 // (fp32), so no separate pass over the output gradient is needed.
 enum class Epilogue { None, Bias, BiasGrad };

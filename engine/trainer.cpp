@@ -17,6 +17,7 @@
 
 namespace {
 constexpr size_t kGemmWorkspace = 32u << 20;  // what cuBLASLt asks for on Hopper
+constexpr int kMaxSkippedInARow = 10;            // FP8 numerics guard: then the run stops
 constexpr uint64_t kDataStream = 1ull << 40;  // random streams of the data, apart from the weights'
 
 double gib(size_t bytes) { return bytes / double(1ull << 30); }
@@ -141,6 +142,7 @@ void Trainer::prepare() {
     model_->prime_fp8_scales(stream_, *gemm_, *timer_);  // also the first use of every GEMM shape
   else
     forward_backward();
+  model_->reset_fp8_counters(stream_);  // the start-up pass is not a training step
   timer_->finish_step(false);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -233,12 +235,14 @@ void Trainer::optimizer_step(int step) {
 double Trainer::evaluate() {
   NvtxRange range("evaluation");
   OpTimer untimed(false);
+  model_->set_fp8_recording(false);
   CUDA_CHECK(cudaMemsetAsync(correct_, 0, sizeof(int), stream_));
   for (int i = 0; i < test_loader_->batches_per_epoch(); ++i) {
     const int real = test_loader_->load(0, i, model_->images(), model_->labels(), stream_);
     model_->forward(stream_, *gemm_, untimed);
     count_correct(model_->logits(), model_->logits_ld(), opts_.model.classes, model_->labels(), real, correct_, stream_);
   }
+  model_->set_fp8_recording(true);
   int correct = 0;
   CUDA_CHECK(cudaMemcpyAsync(&correct, correct_, sizeof(int), cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -326,15 +330,16 @@ void Trainer::train() {
       if (model_->precision() == Precision::FP8) {
         // The numerics guard: steps whose FP8 tensors saw a non-finite amax were skipped on the
         // device; a whole window of them means training cannot go on.
-        int skipped = 0;
-        CUDA_CHECK(cudaMemcpy(&skipped, model_->fp8_skipped_steps(), sizeof(int), cudaMemcpyDeviceToHost));
-        if (skipped > skipped_reported) {
-          std::printf("  fp8: %d step(s) skipped for non-finite values so far (scales backed off)\n", skipped);
-          if (skipped - skipped_reported == slot + 1)
-            throw RuntimeError("every one of the last " + std::to_string(slot + 1) +
-                               " steps saw non-finite FP8 values and was skipped; stopping");
-          skipped_reported = skipped;
+        int counters[2] = {0, 0};  // skipped steps, in a row
+        CUDA_CHECK(cudaMemcpy(counters, model_->fp8_skipped_steps(), sizeof counters, cudaMemcpyDeviceToHost));
+        if (counters[0] > skipped_reported) {
+          std::printf("  fp8: %d step(s) skipped for non-finite values so far (the offending tensors' scales "
+                      "halved for the next step)\n", counters[0]);
+          skipped_reported = counters[0];
         }
+        if (counters[1] >= kMaxSkippedInARow)
+          throw RuntimeError(std::to_string(counters[1]) +
+                             " steps in a row saw non-finite values (loss or FP8 tensors) and were skipped; stopping");
       } else if (!std::isfinite(*loss_host)) {
         throw RuntimeError("the loss is not finite (" + std::to_string(*loss_host) + ") at step " +
                            std::to_string(step + 1) + "; stopping");

@@ -63,7 +63,7 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
         x[j] *= cdf;  // gelu(x)
       }
       dh[i] = Bf16x8::from_float(d);
-      a[i] = Bf16x8::from_float(x);
+      if (a) a[i] = Bf16x8::from_float(x);
     }
   }
   float4* out = reinterpret_cast<float4*>(partial + (static_cast<size_t>(blockIdx.y) * N8 + c) * 8);

@@ -8,7 +8,7 @@
 // a = gelu(h), n elements (n % 8 == 0, 16-byte aligned).
 void gelu_forward(const __nv_bfloat16* h, __nv_bfloat16* a, size_t n, cudaStream_t stream);
 // The backward through GELU of h [M, N] (N % 8 == 0), one pass: dh = da * gelu'(h) (dh may
-// alias da); a = gelu(h) recomputed, so the forward need not keep it; db[N] = column sums of dh,
+// alias da); a = gelu(h) recomputed (unless a is null), so the forward need not keep it; db[N] = column sums of dh,
 // the bias gradient of the layer that produced h, through partial
 // (gelu_backward_partial_floats(M, N)).
 void gelu_backward(const __nv_bfloat16* da, const __nv_bfloat16* h, __nv_bfloat16* dh,

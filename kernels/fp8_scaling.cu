@@ -7,13 +7,19 @@ __global__ void update_kernel(Fp8Meta* metas, int count, int history_len, int ma
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < count && !fp8_update(metas[i], history_len, margin)) atomicAdd(non_finite, 1);
 }
-__global__ void tally_kernel(const int* non_finite, int* skipped) {
-  if (*non_finite) ++*skipped;
+__global__ void tally_kernel(const float* loss, int* non_finite, int* counters) {
+  if (!isfinite(*loss)) *non_finite = 1;
+  if (*non_finite) {
+    ++counters[0];
+    ++counters[1];
+  } else {
+    counters[1] = 0;
+  }
 }
 }  // namespace
 
-void fp8_tally_skip(const int* non_finite, int* skipped_steps, cudaStream_t stream) {
-  tally_kernel<<<1, 1, 0, stream>>>(non_finite, skipped_steps);
+void fp8_tally_skip(const float* loss, int* non_finite, int* counters, cudaStream_t stream) {
+  tally_kernel<<<1, 1, 0, stream>>>(loss, non_finite, counters);
   LAUNCH_CHECK();
 }
 

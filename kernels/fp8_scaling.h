@@ -52,5 +52,6 @@ __host__ __device__ inline bool fp8_update(Fp8Meta& m, int history_len, int marg
 
 // fp8_update on count metas (one thread each); *non_finite += the number whose amax was not.
 void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite, cudaStream_t stream);
-// *skipped_steps += (*non_finite != 0): the numerics guard's count of skipped steps.
-void fp8_tally_skip(const int* non_finite, int* skipped_steps, cudaStream_t stream);
+// The numerics guard's bookkeeping at a step's end: a non-finite loss also marks the step;
+// counters[0] counts skipped steps, counters[1] the skipped steps in a row.
+void fp8_tally_skip(const float* loss, int* non_finite, int* counters, cudaStream_t stream);

@@ -108,7 +108,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
       }
     a.optimizer.add(&fp8_metas_, linears_.size() * 12);
     a.optimizer.add(&fp8_step_non_finite_, 1);
-    a.optimizer.add(&fp8_skipped_, 1);
+    a.optimizer.add(&fp8_skipped_, 2);  // skipped steps, and in a row
     a.optimizer.add(&fp8_amax_scratch_, 1);
     w.add(&ln_fp8_, M * D);  // LayerNorm outputs live only until their FP8 cast
     w.add(&x8_, M * widest);
@@ -140,7 +140,7 @@ void ViT::init_params(uint64_t seed, cudaStream_t stream) {
     for (size_t i = 0; i < metas.size(); ++i) metas[i].fp8_max = i % 3 == 2 ? 57344.0f : 448.0f;  // dy: E5M2
     CUDA_CHECK(cudaMemcpyAsync(fp8_metas_, metas.data(), metas.size() * sizeof(Fp8Meta), cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaMemsetAsync(fp8_step_non_finite_, 0, sizeof(int), stream));
-    CUDA_CHECK(cudaMemsetAsync(fp8_skipped_, 0, sizeof(int), stream));
+    CUDA_CHECK(cudaMemsetAsync(fp8_skipped_, 0, 2 * sizeof(int), stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));  // metas goes out of scope
   }
   sync_bf16_params(stream);
@@ -155,7 +155,12 @@ void ViT::sync_bf16_params(cudaStream_t stream) {
 
 void ViT::fp8_cast(Fp8Meta* m, const bf16* in, int rows, int cols, Fp8Kind kind, uint8_t* out, uint8_t* out_t,
                    cudaStream_t st) {
+  if (!fp8_recording_) {  // evaluation: the training scales, and nothing recorded
+    cast_to_fp8(in, rows, cols, &m->scale, kind, out, out_t, fp8_amax_scratch_, st);
+    return;
+  }
   if (fp8_.current) {  // the tensor's own amax first, its scale from that alone
+    CUDA_CHECK(cudaMemsetAsync(&m->amax, 0, sizeof(float), st));  // nothing left from a delayed cast
     cast_to_fp8(in, rows, cols, nullptr, kind, nullptr, nullptr, &m->amax, st);
     fp8_update_scales(m, 1, 1, fp8_.margin, fp8_step_non_finite_, st);
     cast_to_fp8(in, rows, cols, &m->scale, kind, out, out_t, fp8_amax_scratch_, st);
@@ -219,6 +224,12 @@ void ViT::linear_backward_weight(Gemm& gemm, OpTimer& timer, int l, Lin lin, con
 
 // ---- FP8 bookkeeping of a step ----
 
+void ViT::reset_fp8_counters(cudaStream_t st) {
+  if (precision_ != Precision::FP8) return;
+  CUDA_CHECK(cudaMemsetAsync(fp8_step_non_finite_, 0, sizeof(int), st));
+  CUDA_CHECK(cudaMemsetAsync(fp8_skipped_, 0, 2 * sizeof(int), st));
+}
+
 void ViT::begin_fp8_step(cudaStream_t st) {
   if (precision_ == Precision::FP8) CUDA_CHECK(cudaMemsetAsync(fp8_step_non_finite_, 0, sizeof(int), st));
 }
@@ -228,7 +239,7 @@ void ViT::end_fp8_step(cudaStream_t st) {
   if (!fp8_.current)
     fp8_update_scales(fp8_metas_, static_cast<int>(linears_.size()) * 12, fp8_.history, fp8_.margin,
                       fp8_step_non_finite_, st);
-  fp8_tally_skip(fp8_step_non_finite_, fp8_skipped_, st);
+  fp8_tally_skip(loss_, fp8_step_non_finite_, fp8_skipped_, st);
 }
 
 void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {
@@ -327,8 +338,9 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
     // is recomputed in the pass that applies GELU's derivative (4 GiB less for ViT-H at batch 64).
     prepare_output_grad(timer, l, kFc2, dresid_bf16_, st);
     linear_backward_input(gemm, timer, l, kFc2, dresid_bf16_, dhidden_, st);
-    { auto t = timer.op(OpKind::Gelu, st);
-      gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, g(w.fc1_b), partial_, M_, Hd, st); }
+    { auto t = timer.op(OpKind::Gelu, st);  // FP8 kept fc2's input as its transposed FP8 copy: no recompute
+      gelu_backward(dhidden_, a.fc1, dhidden_, precision_ == Precision::FP8 ? nullptr : gelu_, g(w.fc1_b), partial_,
+                    M_, Hd, st); }
     linear_backward_weight(gemm, timer, l, kFc2, dresid_bf16_, gelu_, true, st);
     prepare_output_grad(timer, l, kFc1, dhidden_, st);
     linear_backward_weight(gemm, timer, l, kFc1, dhidden_, a.ln2, false, st);

@@ -80,7 +80,10 @@ class ViT {
   void cast_fp8_weights(cudaStream_t stream, OpTimer* timer = nullptr);
   void prime_fp8_scales(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
   const int* fp8_step_non_finite() const { return fp8_step_non_finite_; }
-  const int* fp8_skipped_steps() const { return fp8_skipped_; }
+  const int* fp8_skipped_steps() const { return fp8_skipped_; }  // [total, in a row]
+  void reset_fp8_counters(cudaStream_t stream);
+  // Off for evaluation: FP8 casts use the training scales and record no amax.
+  void set_fp8_recording(bool on) { fp8_recording_ = on; }
   Precision precision() const { return precision_; }
 
   // Forward and loss on images [B, C, H, W] fp32 and labels [B]; leaves loss() and logits().
@@ -139,6 +142,7 @@ class ViT {
   Fp8Meta* fp8_metas_ = nullptr;
   int *fp8_step_non_finite_ = nullptr, *fp8_skipped_ = nullptr;
   float* fp8_amax_scratch_ = nullptr;
+  bool fp8_recording_ = true;
   uint8_t *x8_ = nullptr, *dy8_ = nullptr, *dy8t_ = nullptr;  // FP8 operands of the current product
   bf16* ln_fp8_ = nullptr;  // FP8: the LayerNorm output of the moment (not kept for backward)
 
