@@ -9,6 +9,7 @@
 #include <map>
 
 #include "engine/check.h"
+#include "engine/dataset.h"
 
 namespace {
 [[noreturn]] void bad(const std::string& msg) { throw UsageError(msg); }
@@ -181,11 +182,11 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   } else {
     if (m.img != 28 || m.channels != 1 || m.classes != 10)
       bad("--data fashion-mnist holds 28x28 grey images of 10 classes: give --img 28 --channels 1 --classes 10");
-    if (o.data_dir.empty()) o.data_dir = "/usr/share/datasets/fashion-mnist";
+    if (o.data_dir.empty()) o.data_dir = FashionMnist::kDefaultDir;
     struct stat st;
     if (::stat(o.data_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
       bad("--data fashion-mnist: " + o.data_dir + " is not a directory" +
-          (o.data_dir == "/usr/share/datasets/fashion-mnist" ? " (apt-get install dataset-fashion-mnist)" : ""));
+          (o.data_dir == FashionMnist::kDefaultDir ? " (apt-get install dataset-fashion-mnist)" : ""));
   }
   if (o.epochs > 0 && steps_given) bad("give --steps or --epochs, not both");
   if (!o.dump_reference.empty() &&

@@ -138,9 +138,7 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
 // nothing: the first step recomputes the same batch, activations and gradients.
 void Trainer::prepare() {
   load_batch(0);
-  if (model_->precision() == Precision::FP8 && opts_.fp8_recipe == "delayed")
-    model_->prime_fp8_scales(stream_, *gemm_, *timer_);  // also the first use of every GEMM shape
-  else
+  if (!model_->prime_fp8_scales(stream_, *gemm_, *timer_))  // fp8 delayed: the priming pass is that pass
     forward_backward();
   model_->reset_fp8_counters(stream_);  // the start-up pass is not a training step
   timer_->finish_step(false);

@@ -28,6 +28,7 @@
 
 #include "engine/check.h"
 #include "engine/nvtx.h"
+#include "kernels/common.cuh"
 
 namespace {
 using bf16 = __nv_bfloat16;
@@ -908,8 +909,6 @@ void dispatch_hd(int hd, F&& f) {
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 float softmax_scale(int hd) { return 1.0f / std::sqrt(static_cast<float>(hd)); }
 
 // Preconditions common to both launchers; returns the current device.
@@ -951,7 +950,7 @@ void attention_forward(const bf16* qkv, bf16* out, float* lse, int B, int T, int
                        cudaStream_t stream) {
   const int dev = require_shape("attention_forward", B, T, H, hd);
   ENSURE(qkv && out && lse, "attention_forward: null pointer");
-  ENSURE(aligned16(qkv) && aligned16(out), "attention_forward: qkv/out must be 16-byte aligned");
+  ENSURE(is_aligned16(qkv) && is_aligned16(out), "attention_forward: qkv/out must be 16-byte aligned");
   NvtxRange range("attention_forward");
   const dim3 grid((T + kTile - 1) / kTile, H, B);
   dispatch_hd(hd, [&](auto hd_c) {
@@ -969,7 +968,7 @@ void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, cons
                         cudaStream_t stream) {
   const int dev = require_shape("attention_backward", B, T, H, hd);
   ENSURE(qkv && out && dout && lse && delta && dqkv, "attention_backward: null pointer");
-  ENSURE(aligned16(qkv) && aligned16(out) && aligned16(dout) && aligned16(dqkv),
+  ENSURE(is_aligned16(qkv) && is_aligned16(out) && is_aligned16(dout) && is_aligned16(dqkv),
          "attention_backward: qkv/out/dout/dqkv must be 16-byte aligned");
   NvtxRange range("attention_backward");
 

@@ -8,11 +8,11 @@ constexpr int kThreads = 256;
 constexpr int kRowsPerChunk = 64;
 constexpr int kSumWarps = 8;
 
-// Stage one: partial[chunk, col] = sum of kRowsPerChunk rows; consecutive threads read
-// consecutive columns, so each row's read is coalesced.
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
 
+// Stage one: partial[chunk, col] = sum of kRowsPerChunk rows; consecutive threads read
+// consecutive columns, so each row's read is coalesced.
 template <class T>
 __global__ void colsum_partial_kernel(const T* __restrict__ x, int M, int N, int ld, float* __restrict__ partial) {
   const int col = blockIdx.x * kThreads + threadIdx.x;
@@ -42,11 +42,6 @@ __global__ void sum_rows_kernel(const float* __restrict__ partial, int R, int N,
     out[col] = total;
   }
 }
-}  // namespace
-
-size_t colsum_partial_floats(int M, int N) {
-  return static_cast<size_t>((M + kRowsPerChunk - 1) / kRowsPerChunk) * N;
-}
 
 template <class T>
 void colsum_impl(const T* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
@@ -57,6 +52,11 @@ void colsum_impl(const T* x, int M, int N, int ld, float* out, float* partial, c
   colsum_partial_kernel<<<dim3(grid_for(N, kThreads), chunks), kThreads, 0, stream>>>(x, M, N, ld, partial);
   LAUNCH_CHECK();
   sum_rows(partial, chunks, N, N, out, stream);
+}
+}  // namespace
+
+size_t colsum_partial_floats(int M, int N) {
+  return static_cast<size_t>((M + kRowsPerChunk - 1) / kRowsPerChunk) * N;
 }
 
 void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {

@@ -143,10 +143,10 @@ void ViT::init_params(uint64_t seed, cudaStream_t stream) {
     CUDA_CHECK(cudaMemsetAsync(fp8_skipped_, 0, 2 * sizeof(int), stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));  // metas goes out of scope
   }
-  sync_bf16_params(stream);
+  refresh_weight_copies(stream);
 }
 
-void ViT::sync_bf16_params(cudaStream_t stream) {
+void ViT::refresh_weight_copies(cudaStream_t stream) {
   cast_to_bf16(params_, params_bf16_, layout_.total(), stream);
   cast_fp8_weights(stream);
 }
@@ -254,8 +254,8 @@ void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {
     }
 }
 
-void ViT::prime_fp8_scales(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
-  if (precision_ != Precision::FP8 || fp8_.current) return;
+bool ViT::prime_fp8_scales(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
+  if (precision_ != Precision::FP8 || fp8_.current) return false;
   // Delayed scaling needs past amaxes; at the start there are none (scale 1 would flush most
   // gradients to zero). One forward and backward with current scaling fills every history.
   fp8_.current = true;
@@ -265,6 +265,7 @@ void ViT::prime_fp8_scales(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   fp8_.current = false;
   CUDA_CHECK(cudaMemsetAsync(fp8_step_non_finite_, 0, sizeof(int), st));
   cast_fp8_weights(st);  // with the primed scales, recording the weights' amaxes for step 0's update
+  return true;
 }
 
 void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {

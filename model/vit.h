@@ -66,19 +66,20 @@ class ViT {
   // timm's initialisation, drawn on the device from the seed; also writes the bf16 copy and
   // zeroes gradients and momentum.
   void init_params(uint64_t seed, cudaStream_t stream);
-  // After the fp32 master weights were written from outside (tests, loading): refresh the copy
-  // (and, in FP8, the FP8 weight copies).
-  void sync_bf16_params(cudaStream_t stream);
+  // After the fp32 master weights were written from outside (tests, loading): refresh their bf16
+  // copy and, in FP8, their FP8 copies.
+  void refresh_weight_copies(cudaStream_t stream);
 
   // FP8 bookkeeping around a step (no-ops in bf16): begin_step clears the step's non-finite
   // flag; end_step updates the delayed recipe's scales from the step's amaxes and counts a
   // skipped step; after the optimizer, cast_fp8_weights makes the next forward's weight copies.
   // The optimizer skips the update when *fp8_step_non_finite() is set. prime_fp8_scales runs one
-  // forward and backward with current scaling to start the delayed recipe from real amaxes.
+  // forward and backward with current scaling to start the delayed recipe from real amaxes, and
+  // returns false (doing nothing) where there is no delayed recipe to start.
   void begin_fp8_step(cudaStream_t stream);
   void end_fp8_step(cudaStream_t stream);
   void cast_fp8_weights(cudaStream_t stream, OpTimer* timer = nullptr);
-  void prime_fp8_scales(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
+  bool prime_fp8_scales(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
   const int* fp8_step_non_finite() const { return fp8_step_non_finite_; }
   const int* fp8_skipped_steps() const { return fp8_skipped_; }  // [total, in a row]
   void reset_fp8_counters(cudaStream_t stream);

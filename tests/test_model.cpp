@@ -116,7 +116,7 @@ Comparison compare_with_reference(Precision precision, int B, std::mt19937_64& r
 
   model.init_params(0, 0);  // FP8 scaling state; the weights are overwritten next
   CUDA_CHECK(cudaMemcpy(model.params(), to_f32(params).data(), params.size() * 4, cudaMemcpyHostToDevice));
-  model.sync_bf16_params(0);
+  model.refresh_weight_copies(0);
   CUDA_CHECK(cudaMemcpy(model.images(), to_f32(images).data(), images.size() * 4, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(model.labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
   Gemm gemm(32u << 20);
