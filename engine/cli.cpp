@@ -45,6 +45,8 @@ std::string usage() {
              "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
              "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
              "  --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)\n"
+             "  --fp8-stats            at each progress line, per FP8 tensor kind: scales, amax, and the fractions\n"
+             "                         that underflow to zero or saturate in that step (which runs a little slower)\n"
              "  --batch N              images per step (default 64)\n"
              "  --steps N              training steps (default 50)\n"
              "  --warmup N             first steps left out of the timing summary (default 10, less if --steps is small)\n"
@@ -151,6 +153,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     if (a == "--help" || a == "-h") { o.help = true; continue; }
     if (a == "--nesterov") { o.nesterov = true; continue; }
     if (a == "--timing") { o.timing = true; continue; }
+    if (a == "--fp8-stats") { o.fp8_stats = true; continue; }
     if (a == "--no-gemm-autotune") { o.gemm_autotune = false; continue; }
     std::string flag = a, value;
     const size_t eq = a.find('=');
@@ -189,6 +192,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
           (o.data_dir == FashionMnist::kDefaultDir ? " (apt-get install dataset-fashion-mnist)" : ""));
   }
   if (o.epochs > 0 && steps_given) bad("give --steps or --epochs, not both");
+  if (o.fp8_stats && o.precision != "fp8") bad("--fp8-stats needs --precision fp8");
   if (!o.dump_reference.empty() &&
       (o.data != "synthetic" || o.lr_schedule != "constant" || o.warmup_steps > 0 || o.precision != "bf16"))
     bad("--dump-reference replays the synthetic data at a constant learning rate in timm's bf16 autocast: it takes "

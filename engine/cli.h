@@ -14,6 +14,7 @@ struct TrainOptions {
   std::string fp8_recipe = "delayed";  // or "current"
   int amax_history = 16;
   int fp8_margin = 0;
+  bool fp8_stats = false;  // print the FP8 tensors' scales, amaxes, underflow and saturation
   int batch = 64;
   int steps = 50;   // with --epochs, set by set_total_steps() once the dataset's size is known
   int epochs = 0;   // 0: --steps counts the run

@@ -87,6 +87,10 @@ const Gemm::Plan& Gemm::plan(const GemmShape& s, const void* A, const void* B, c
                                                   sizeof(bias_type)));
     }
   }
+  if (s.fast_accum) {
+    const int8_t on = 1;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &on, sizeof(on)));
+  }
   // Column-major layouts (rows, cols, ld) of the stored matrices.
   const int b_rows = s.trans_b ? s.K : s.N, b_cols = s.trans_b ? s.N : s.K;  // our B, stored
   const int a_rows = s.trans_a ? s.M : s.K, a_cols = s.trans_a ? s.K : s.M;  // our A, stored
@@ -182,12 +186,13 @@ void Gemm::linear_forward(const void* x, const void* W, const void* bias, const 
 
 void Gemm::linear_fp8(const void* a, DType a_type, const float* a_scale, const void* b, DType b_type,
                       const float* b_scale, const void* bias, const void* residual, void* y, DType y_type, int M,
-                      int N, int K, cudaStream_t stream, int ldy) {
+                      int N, int K, cudaStream_t stream, int ldy, bool fast_accum) {
   ENSURE(y_type == DType::BF16 || y_type == DType::F32, "linear_fp8: the output is bf16 or fp32");
   GemmShape s{M, N, K, false, true, K, K, ldy ? ldy : N, y_type, residual != nullptr,
               bias ? Epilogue::Bias : Epilogue::None};
   s.a_type = a_type;
   s.b_type = b_type;
+  s.fast_accum = fast_accum;
   run(s, a, b, residual, y, bias, stream, a_scale, b_scale);
 }
 

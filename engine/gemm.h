@@ -37,8 +37,13 @@ struct GemmShape {
   bool with_c;
   Epilogue epilogue;
   DType a_type = DType::BF16, b_type = DType::BF16;
+  // FP8 only: accumulate in the tensor cores' own (reduced-precision) accumulator throughout,
+  // instead of promoting partial sums to fp32 at intervals. Faster; Transformer Engine's choice
+  // for forward products, not for gradients.
+  bool fast_accum = false;
   auto key() const {
-    return std::make_tuple(M, N, K, trans_a, trans_b, lda, ldb, ldd, d_type, with_c, epilogue, a_type, b_type);
+    return std::make_tuple(M, N, K, trans_a, trans_b, lda, ldb, ldd, d_type, with_c, epilogue, a_type, b_type,
+                           fast_accum);
   }
 };
 
@@ -72,7 +77,7 @@ class Gemm {
   // transposed FP8 copies where the contraction runs along tokens or output features.
   void linear_fp8(const void* a, DType a_type, const float* a_scale, const void* b, DType b_type, const float* b_scale,
                   const void* bias, const void* residual, void* y, DType y_type, int M, int N, int K,
-                  cudaStream_t stream, int ldy = 0);
+                  cudaStream_t stream, int ldy = 0, bool fast_accum = false);
 
   size_t plans_cached() const { return plans_.size(); }
 

@@ -295,6 +295,8 @@ void Trainer::train() {
   for (int step = 0; step < opts_.steps; ++step) {
     if (step == opts_.profile_first) CUDA_CHECK(cudaProfilerStart());
     const int slot = step - window_start;
+    const bool last = step + 1 == opts_.steps, log_point = slot + 1 == opts_.log_every || last;
+    model_->set_fp8_counting(opts_.fp8_stats && log_point, stream_);  // --fp8-stats: the logged step
     {
       NvtxRange range("step");
       CUDA_CHECK(cudaEventRecord(begin[slot], stream_));
@@ -307,8 +309,7 @@ void Trainer::train() {
     end_step(step);
     if (step == opts_.profile_last) CUDA_CHECK(cudaProfilerStop());
 
-    const bool last = step + 1 == opts_.steps;
-    if (slot + 1 == opts_.log_every || last) {  // the only host synchronisation of a plain run
+    if (log_point) {  // the only host synchronisation of a plain run
       CUDA_CHECK(cudaMemcpyAsync(loss_host, model_->loss(), sizeof(float), cudaMemcpyDeviceToHost, stream_));
       CUDA_CHECK(cudaStreamSynchronize(stream_));
       double window_ms = 0;
@@ -324,6 +325,7 @@ void Trainer::train() {
       if (peak_tflops_ > 0) std::snprintf(mfu, sizeof mfu, "%.1f%%", 100 * tflops / peak_tflops_);
       std::printf("%5d/%-5d %10.4f %10.2f %10.1f %10.1f %7s%s\n", step + 1, opts_.steps, *loss_host, ms,
                   opts_.batch / (ms * 1e-3), tflops, mfu, step < opts_.warmup ? "  (warm-up)" : "");
+      if (opts_.fp8_stats) std::printf("%s", model_->fp8_stats_table(stream_).c_str());
       std::fflush(stdout);
       if (model_->precision() == Precision::FP8) {
         // The numerics guard: steps whose FP8 tensors saw a non-finite amax were skipped on the

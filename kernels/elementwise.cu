@@ -2,6 +2,7 @@
 #include "engine/nvtx.h"
 #include "kernels/common.cuh"
 #include "kernels/elementwise.h"
+#include "kernels/fp8_tile.cuh"
 #include "kernels/reduce.h"
 
 namespace {
@@ -71,6 +72,59 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
   out[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
 }
 
+// FP8 forward: the GELU output goes straight to FP8 (fc2's input), never to bf16.
+struct GeluSource {
+  const bf16* h;
+  int cols;
+  __device__ void load(int r, int c, float* x) const {
+    reinterpret_cast<const Bf16x8*>(h + static_cast<size_t>(r) * cols + c)->to_float(x);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = gelu(x[j]);
+  }
+};
+
+// FP8 backward over a 64 x 64 tile (fp8_tile.cuh): dh = da * gelu'(h) to FP8 E5M2, both copies
+// (fc1's output gradient), with its column sums (fc1's bias gradient); and a = gelu(h)
+// recomputed to FP8 E4M3, transposed (fc2's input for its weight gradient: the forward kept
+// none). a is computed as in GeluSource, so with the forward's scale it gets the same codes.
+__global__ void __launch_bounds__(fp8tile::kThreads)
+    gelu_backward_fp8_kernel(const bf16* __restrict__ da, const bf16* __restrict__ h, int rows, int cols,
+                             Fp8Out dh_out, Fp8Out a_out, float* __restrict__ partial) {
+  using namespace fp8tile;
+  __shared__ Tile dh_tile, a_tile;
+  __shared__ BlockScratch scratch;
+  __shared__ float sums[kThreads / 32][kTile];
+  Quantizer<__NV_E5M2> qd(dh_out);
+  Quantizer<__NV_E4M3> qa(a_out);
+  const bool dh_row_major = qd.write && dh_out.out, dh_transposed = qd.write && dh_out.out_t;
+  const bool a_transposed = qa.write && a_out.out_t;
+  const int r0 = blockIdx.y * kTile, c0 = blockIdx.x * kTile;
+  float sum[kVec] = {};
+  for (int v = threadIdx.x; v < kVectors; v += kThreads) {
+    const int tr = vec_row(v), tc = vec_col(v), r = r0 + tr, c = c0 + tc;
+    if (r >= rows || c >= cols) continue;
+    const size_t i = static_cast<size_t>(r) * cols + c;
+    float d[kVec], x[kVec];
+    reinterpret_cast<const Bf16x8*>(da + i)->to_float(d);
+    reinterpret_cast<const Bf16x8*>(h + i)->to_float(x);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float cdf = normal_cdf(x[j]);
+      d[j] *= gelu_grad(x[j], cdf);
+      sum[j] += d[j];
+      x[j] = gelu(x[j]);
+    }
+    const uint2 dc = qd.pack8(d);
+    if (dh_row_major) *reinterpret_cast<uint2*>(dh_out.out + i) = dc;
+    if (dh_transposed) *reinterpret_cast<uint2*>(&dh_tile.code[tr][tc]) = dc;
+    if (a_transposed) *reinterpret_cast<uint2*>(&a_tile.code[tr][tc]) = qa.pack8(x);
+  }
+  tile_column_sums(sum, sums, partial + static_cast<size_t>(blockIdx.y) * cols, c0, cols);
+  block_record(qd, dh_out, scratch);  // synchronises: the tiles are complete
+  if (dh_transposed) store_transposed(dh_tile, dh_out.out_t, r0, c0, rows, cols);
+  if (a_transposed) store_transposed(a_tile, a_out.out_t, r0, c0, rows, cols);
+}
+
 __global__ void fill_kernel(float* __restrict__ out, size_t n, float value) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = value;
@@ -107,6 +161,25 @@ void gelu_backward(const bf16* da, const bf16* h, bf16* dh, bf16* a, float* db, 
       reinterpret_cast<Bf16x8*>(a), partial, M, N / 8);
   LAUNCH_CHECK();
   sum_rows(partial, chunks, N, N, db, stream);
+}
+
+void gelu_forward_fp8(const bf16* h, int M, int N, const Fp8Out& o, cudaStream_t stream) {
+  NvtxRange range("gelu_forward_fp8");
+  ENSURE(fp8tile::valid(o, M, N) && is_aligned16(h), "gelu_forward_fp8: M, N % 8 and alignment");
+  fp8tile::launch_tile(GeluSource{h, N}, M, N, o, nullptr, stream);
+  LAUNCH_CHECK();
+}
+
+void gelu_backward_fp8(const bf16* da, const bf16* h, int M, int N, const Fp8Out& dh_out, const Fp8Out& a_out,
+                       float* db, float* partial, cudaStream_t stream) {
+  NvtxRange range("gelu_backward_fp8");
+  ENSURE(fp8tile::valid(dh_out, M, N) && fp8tile::valid(a_out, M, N) && dh_out.kind == Fp8Kind::E5M2 &&
+             a_out.kind == Fp8Kind::E4M3 && !a_out.out && is_aligned16(da) && is_aligned16(h),
+         "gelu_backward_fp8: M, N % 8, alignment, E5M2 gradient and a transposed E4M3 output");
+  gelu_backward_fp8_kernel<<<fp8tile::grid(M, N), fp8tile::kThreads, 0, stream>>>(da, h, M, N, dh_out, a_out,
+                                                                                   partial);
+  LAUNCH_CHECK();
+  sum_rows(partial, fp8tile::tile_rows(M), N, N, db, stream);
 }
 
 void fill_constant(float* out, size_t n, float value, cudaStream_t stream) {

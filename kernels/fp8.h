@@ -1,6 +1,8 @@
-// FP8 casts: bf16 tensors to E4M3/E5M2 with a per-tensor scale, the transposed copy Hopper's
-// FP8 GEMMs need when the contraction runs along rows, and the tensor's amax for the scaling
-// recipes, all in one pass.
+// FP8 outputs of the kernels that produce GEMM operands. A producer computes each value v in
+// fp32 and writes fp8(*scale * v) (nearest-even, saturating to the largest finite value),
+// row-major and/or as the transposed copy Hopper's "TN"-only FP8 GEMMs need when the
+// contraction runs along rows, and folds max |v| into the tensor's amax, all in the pass that
+// computes v: no bf16 round trip, no separate cast over the tensor.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -9,10 +11,25 @@
 
 enum class Fp8Kind { E4M3, E5M2 };
 
-// out[r, c] = fp8(*scale * in[r, c]) (nearest-even, saturating to the largest finite value);
-// out_t (may be null) [cols, rows] = the same codes transposed; *amax = max(*amax, max |in|)
-// (a NaN input makes it NaN, so a non-finite tensor is seen). in: rows x cols, row-major, both
-// multiples of 8 (FP8 GEMM operands are multiples of 16 anyway).
-// With out and out_t null it only measures the amax (the current scaling recipe's first pass).
-void cast_to_fp8(const __nv_bfloat16* in, int rows, int cols, const float* scale, Fp8Kind kind, uint8_t* out,
-                 uint8_t* out_t, float* amax, cudaStream_t stream);
+// Where a producer writes its FP8 tensor [rows, cols] and what it records.
+//   scale null: nothing is written, only the amax measured (the current recipe's first pass).
+//   out [rows, cols] and out_t [cols, rows]: either may be null.
+//   amax: *amax = max(*amax, max |v|); a NaN makes it NaN, so a non-finite tensor is seen.
+//   stats (may be null): stats[0] += values that are not zero but encode to zero (underflow),
+//   stats[1] += values whose scaled magnitude exceeds the format's largest (saturation),
+//   stats[2] += values written.
+struct Fp8Out {
+  Fp8Kind kind = Fp8Kind::E4M3;
+  const float* scale = nullptr;
+  uint8_t* out = nullptr;
+  uint8_t* out_t = nullptr;
+  float* amax = nullptr;
+  unsigned long long* stats = nullptr;
+};
+
+// The cast of a bf16 tensor [rows, cols] (both multiples of 8). db (may be null): the column
+// sums of in, the bias gradient of the layer whose output gradient in is, through partial
+// (fp8_cast_partial_floats(rows, cols)).
+void cast_to_fp8(const __nv_bfloat16* in, int rows, int cols, const Fp8Out& o, cudaStream_t stream,
+                 float* db = nullptr, float* partial = nullptr);
+size_t fp8_cast_partial_floats(int rows, int cols);

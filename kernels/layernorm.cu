@@ -3,6 +3,7 @@
 #include "engine/check.h"
 #include "engine/nvtx.h"
 #include "kernels/common.cuh"
+#include "kernels/fp8_tile.cuh"
 #include "kernels/layernorm.h"
 #include "kernels/reduce.h"
 
@@ -24,42 +25,79 @@ __device__ __forceinline__ void load_row(const float* row, int D4, float4 (&v)[C
   }
 }
 
-template <int CHUNKS>
+// The normalised, scaled and shifted value, rounded the same way wherever it is computed (no
+// contraction left to the compiler): the FP8 backward recomputes the forward's codes from it.
+__device__ __forceinline__ float ln_value(float x, float mean, float rstd, float g, float b) {
+  return __fmaf_rn(__fmul_rn(__fsub_rn(x, mean), rstd), g, b);
+}
+
+// The output goes to bf16 y, or (kFp8) to FP8 E4M3 through o: the GEMM's row-major operand.
+template <int CHUNKS, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32)
     layernorm_forward_kernel(const float* __restrict__ x, int x_row_stride, const float* __restrict__ w,
-                             const float* __restrict__ b, bf16* __restrict__ y, float* __restrict__ mean_out,
-                             float* __restrict__ rstd_out, int M, int D, float eps) {
+                             const float* __restrict__ b, bf16* __restrict__ y, Fp8Out o,
+                             float* __restrict__ mean_out, float* __restrict__ rstd_out, int M, int D, float eps) {
+  __shared__ fp8tile::BlockScratch scratch;
+  fp8tile::Quantizer<__NV_E4M3> q(o);
   const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32, D4 = D / 4;
-  if (row >= M) return;
-  float4 v[CHUNKS];
-  load_row(x + static_cast<size_t>(row) * x_row_stride, D4, v);
-  float s = 0;
+  if (row < M) {  // no early return: the FP8 amax is a block reduction
+    float4 v[CHUNKS];
+    load_row(x + static_cast<size_t>(row) * x_row_stride, D4, v);
+    float s = 0;
 #pragma unroll
-  for (int j = 0; j < CHUNKS; ++j) s += v[j].x + v[j].y + v[j].z + v[j].w;
-  const float mean = warp_sum(s) / D;
-  float ss = 0;  // centred second pass over registers: an exact variance
+    for (int j = 0; j < CHUNKS; ++j) s += v[j].x + v[j].y + v[j].z + v[j].w;
+    const float mean = warp_sum(s) / D;
+    float ss = 0;  // centred second pass over registers: an exact variance
 #pragma unroll
-  for (int j = 0; j < CHUNKS; ++j) {
-    if (lane + 32 * j >= D4) continue;
-    const float a = v[j].x - mean, c = v[j].y - mean, d = v[j].z - mean, e = v[j].w - mean;
-    ss += a * a + c * c + d * d + e * e;
-  }
-  const float rstd = rsqrtf(warp_sum(ss) / D + eps);
-  uint2* yr = reinterpret_cast<uint2*>(y + static_cast<size_t>(row) * D);
+    for (int j = 0; j < CHUNKS; ++j) {
+      if (lane + 32 * j >= D4) continue;
+      const float a = v[j].x - mean, c = v[j].y - mean, d = v[j].z - mean, e = v[j].w - mean;
+      ss += a * a + c * c + d * d + e * e;
+    }
+    const float rstd = rsqrtf(warp_sum(ss) / D + eps);
 #pragma unroll
-  for (int j = 0; j < CHUNKS; ++j) {
-    const int i = lane + 32 * j;
-    if (i >= D4) continue;
-    const float4 g = reinterpret_cast<const float4*>(w)[i], bb = reinterpret_cast<const float4*>(b)[i];
-    __nv_bfloat162 lo = __floats2bfloat162_rn((v[j].x - mean) * rstd * g.x + bb.x, (v[j].y - mean) * rstd * g.y + bb.y);
-    __nv_bfloat162 hi = __floats2bfloat162_rn((v[j].z - mean) * rstd * g.z + bb.z, (v[j].w - mean) * rstd * g.w + bb.w);
-    yr[i] = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+    for (int j = 0; j < CHUNKS; ++j) {
+      const int i = lane + 32 * j;
+      if (i >= D4) continue;
+      const float4 g = reinterpret_cast<const float4*>(w)[i], bb = reinterpret_cast<const float4*>(b)[i];
+      const float4 n = make_float4(ln_value(v[j].x, mean, rstd, g.x, bb.x), ln_value(v[j].y, mean, rstd, g.y, bb.y),
+                                   ln_value(v[j].z, mean, rstd, g.z, bb.z), ln_value(v[j].w, mean, rstd, g.w, bb.w));
+      if constexpr (kFp8) {
+        const uint32_t codes = q.pack4(n.x, n.y, n.z, n.w);
+        if (q.write && o.out) reinterpret_cast<uint32_t*>(o.out + static_cast<size_t>(row) * D)[i] = codes;
+      } else {
+        __nv_bfloat162 lo = __floats2bfloat162_rn(n.x, n.y), hi = __floats2bfloat162_rn(n.z, n.w);
+        reinterpret_cast<uint2*>(y + static_cast<size_t>(row) * D)[i] =
+            make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+      }
+    }
+    if (lane == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
   }
-  if (lane == 0) {
-    mean_out[row] = mean;
-    rstd_out[row] = rstd;
-  }
+  if constexpr (kFp8) fp8tile::block_record(q, o, scratch);
 }
+
+// The FP8 recompute of a forward output from its saved statistics, for the tiled producer.
+struct LayerNormSource {
+  const float *x, *w, *b, *mean, *rstd;
+  int stride;
+  __device__ void load(int r, int c, float* v) const {
+    const float4* xr = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * stride + c);
+    const float4* g = reinterpret_cast<const float4*>(w + c);
+    const float4* bb = reinterpret_cast<const float4*>(b + c);
+    const float mu = mean[r], rs = rstd[r];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float4 xv = xr[h], gv = g[h], bv = bb[h];
+      v[4 * h + 0] = ln_value(xv.x, mu, rs, gv.x, bv.x);
+      v[4 * h + 1] = ln_value(xv.y, mu, rs, gv.y, bv.y);
+      v[4 * h + 2] = ln_value(xv.z, mu, rs, gv.z, bv.z);
+      v[4 * h + 3] = ln_value(xv.w, mu, rs, gv.w, bv.w);
+    }
+  }
+};
 
 __device__ __forceinline__ float4 load_bf16x4(const bf16* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
@@ -154,9 +192,32 @@ void layernorm_forward(const float* x, int x_row_stride, const float* w, const f
              is_aligned16(b) && is_aligned16(y),
          "layernorm_forward: D must be a multiple of 8 up to 1536, rows 16-byte aligned");
   dispatch_chunks(D, [&](auto chunks) {
-    layernorm_forward_kernel<decltype(chunks)::value>
-        <<<grid_for(M, kWarps), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, y, mean, rstd, M, D, eps);
+    layernorm_forward_kernel<decltype(chunks)::value, false>
+        <<<grid_for(M, kWarps), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, y, Fp8Out{}, mean, rstd, M, D, eps);
   });
+  LAUNCH_CHECK();
+}
+
+void layernorm_forward_fp8(const float* x, int x_row_stride, const float* w, const float* b, const Fp8Out& o,
+                           float* mean, float* rstd, int M, int D, float eps, cudaStream_t stream) {
+  NvtxRange range("layernorm_forward_fp8");
+  ENSURE(D % 8 == 0 && D <= 128 * kMaxChunks && x_row_stride % 4 == 0 && is_aligned16(x) && is_aligned16(w) &&
+             is_aligned16(b) && o.kind == Fp8Kind::E4M3 && !o.out_t && fp8tile::aligned8(o.out),
+         "layernorm_forward_fp8: D a multiple of 8 up to 1536, rows 16-byte aligned, a row-major E4M3 output");
+  dispatch_chunks(D, [&](auto chunks) {
+    layernorm_forward_kernel<decltype(chunks)::value, true>
+        <<<grid_for(M, kWarps), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, nullptr, o, mean, rstd, M, D, eps);
+  });
+  LAUNCH_CHECK();
+}
+
+void layernorm_apply_fp8(const float* x, int x_row_stride, const float* w, const float* b, const float* mean,
+                         const float* rstd, int M, int D, const Fp8Out& o, cudaStream_t stream) {
+  NvtxRange range("layernorm_apply_fp8");
+  ENSURE(fp8tile::valid(o, M, D) && o.kind == Fp8Kind::E4M3 && x_row_stride % 4 == 0 && is_aligned16(x) &&
+             is_aligned16(w) && is_aligned16(b),
+         "layernorm_apply_fp8: M and D multiples of 8, rows 16-byte aligned, an E4M3 output");
+  fp8tile::launch_tile(LayerNormSource{x, w, b, mean, rstd, x_row_stride}, M, D, o, nullptr, stream);
   LAUNCH_CHECK();
 }
 

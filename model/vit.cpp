@@ -78,7 +78,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
   w.add(&dresid_, M * D);
   w.add(&dresid_bf16_, M * D);
   w.add(&dhidden_, M * H);
-  w.add(&gelu_, M * H);
+  if (precision_ == Precision::BF16) w.add(&gelu_, M * H);
   w.add(&dln_, M * D);
   w.add(&dattn_, M * D);
   w.add(&dqkv_, M * 3 * D);
@@ -104,17 +104,20 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
       for (Linear& l : block) {
         a.params.add(&l.w8, size_t(l.n) * l.k);
         a.params.add(&l.w8t, size_t(l.n) * l.k);
-        s.add(&l.x8t, M * l.k);
       }
     a.optimizer.add(&fp8_metas_, linears_.size() * 12);
+    a.optimizer.add(&fp8_stats_, linears_.size() * 12 * 3);
     a.optimizer.add(&fp8_step_non_finite_, 1);
     a.optimizer.add(&fp8_skipped_, 2);  // skipped steps, and in a row
     a.optimizer.add(&fp8_amax_scratch_, 1);
-    w.add(&ln_fp8_, M * D);  // LayerNorm outputs live only until their FP8 cast
+    // No input is kept in FP8 for the backward: the weight gradients recompute the transposed
+    // copies (from the LayerNorm statistics, the attention output, the pre-GELU activation).
     w.add(&x8_, M * widest);
-    w.add(&dy8_, M * widest);
-    w.add(&dy8t_, M * widest);
-    partial = std::max(partial, colsum_partial_floats(M_, 3 * cfg.dim));
+    for (int i = 0; i < 2; ++i) {
+      w.add(&dy8_[i], M * widest);
+      w.add(&dy8t_[i], M * widest);
+    }
+    partial = std::max(partial, fp8_cast_partial_floats(M_, static_cast<int>(widest)));
   }
   w.add(&partial_, partial);
 }
@@ -151,75 +154,46 @@ void ViT::refresh_weight_copies(cudaStream_t stream) {
   cast_fp8_weights(stream);
 }
 
-// ---- The four Linear layers of a block, in bf16 or FP8 ----
+// ---- FP8 producers and products ----
 
-void ViT::fp8_cast(Fp8Meta* m, const bf16* in, int rows, int cols, Fp8Kind kind, uint8_t* out, uint8_t* out_t,
-                   cudaStream_t st) {
+template <class Launch>
+void ViT::produce_fp8(Fp8Meta* m, Fp8Kind kind, uint8_t* out, uint8_t* out_t, cudaStream_t st, Launch&& launch) {
   if (!fp8_recording_) {  // evaluation: the training scales, and nothing recorded
-    cast_to_fp8(in, rows, cols, &m->scale, kind, out, out_t, fp8_amax_scratch_, st);
+    launch(Fp8Out{kind, &m->scale, out, out_t, fp8_amax_scratch_});
     return;
   }
-  if (fp8_.current) {  // the tensor's own amax first, its scale from that alone
-    CUDA_CHECK(cudaMemsetAsync(&m->amax, 0, sizeof(float), st));  // nothing left from a delayed cast
-    cast_to_fp8(in, rows, cols, nullptr, kind, nullptr, nullptr, &m->amax, st);
+  if (fp8_.current) {  // the tensor's own amax first (from zero), its scale from that alone
+    CUDA_CHECK(cudaMemsetAsync(&m->amax, 0, sizeof(float), st));
+    launch(Fp8Out{kind, nullptr, nullptr, nullptr, &m->amax});
     fp8_update_scales(m, 1, 1, fp8_.margin, fp8_step_non_finite_, st);
-    cast_to_fp8(in, rows, cols, &m->scale, kind, out, out_t, fp8_amax_scratch_, st);
-  } else {  // delayed: the scale from past amaxes; this one is recorded for end_fp8_step
-    cast_to_fp8(in, rows, cols, &m->scale, kind, out, out_t, &m->amax, st);
-  }
-}
-
-void ViT::linear_forward(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* x, const float* residual, void* y,
-                         DType y_type, cudaStream_t st) {
-  const Linear& L = linears_[l][lin];
-  if (precision_ == Precision::BF16) {
-    auto t = timer.op(OpKind::Gemm, st);
-    gemm.linear_forward(x, pb(L.w), y_type == DType::F32 ? static_cast<const void*>(p(L.b)) : pb(L.b), residual, y,
-                        y_type, M_, L.n, L.k, st);
+    launch(Fp8Out{kind, &m->scale, out, out_t, fp8_amax_scratch_, stats(m)});
     return;
   }
-  { auto t = timer.op(OpKind::Fp8Cast, st); fp8_cast(meta(l, lin, 0), x, M_, L.k, Fp8Kind::E4M3, x8_, L.x8t, st); }
-  auto t = timer.op(OpKind::Gemm, st);
-  gemm.linear_fp8(x8_, DType::E4M3, &meta(l, lin, 0)->scale_inv, L.w8, DType::E4M3, &meta(l, lin, 1)->scale_inv,
-                  pb(L.b), residual, y, y_type, M_, L.n, L.k, st);
+  launch(Fp8Out{kind, &m->scale, out, out_t, &m->amax, stats(m)});  // recorded for end_fp8_step
 }
 
-void ViT::prepare_output_grad(OpTimer& timer, int l, Lin lin, const bf16* dy, cudaStream_t st) {
-  if (precision_ != Precision::FP8) return;
-  auto t = timer.op(OpKind::Fp8Cast, st);
-  fp8_cast(meta(l, lin, 2), dy, M_, linears_[l][lin].n, Fp8Kind::E5M2, dy8_, dy8t_, st);
-}
-
-void ViT::linear_backward_input(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* dy, bf16* dx,
-                                cudaStream_t st) {
+void ViT::fp8_forward(Gemm& gemm, int l, Lin lin, const uint8_t* x8, const float* residual, void* y, DType y_type,
+                      cudaStream_t st) {
   const Linear& L = linears_[l][lin];
-  auto t = timer.op(OpKind::Gemm, st);
-  if (precision_ == Precision::BF16) {
-    gemm.linear_backward_input(dy, pb(L.w), dx, M_, L.n, L.k, st);
-    return;
-  }
-  // dx[M, k] = dy[M, n] W[n, k]: K-contiguous operands are dy and W^T.
-  gemm.linear_fp8(dy8_, DType::E5M2, &meta(l, lin, 2)->scale_inv, L.w8t, DType::E4M3, &meta(l, lin, 1)->scale_inv,
-                  nullptr, nullptr, dx, DType::BF16, M_, L.k, L.n, st);
+  // Fast accumulation in the forward products only, as Transformer Engine does: the gradients'
+  // products keep cuBLASLt's periodic promotion to fp32 (E5M2 carries less precision already).
+  gemm.linear_fp8(x8, DType::E4M3, &meta(l, lin, kInput)->scale_inv, L.w8, DType::E4M3,
+                  &meta(l, lin, kWeight)->scale_inv, pb(L.b), residual, y, y_type, M_, L.n, L.k, st, 0,
+                  /*fast_accum=*/true);
 }
 
-void ViT::linear_backward_weight(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* dy, const bf16* x,
-                                 bool bias_grad, cudaStream_t st) {
+void ViT::fp8_input_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8, bf16* dx, cudaStream_t st) {
+  // dx[M, k] = dy[M, n] W[n, k]: the K-contiguous operands are dy and W^T.
   const Linear& L = linears_[l][lin];
-  if (precision_ == Precision::BF16) {
-    auto t = timer.op(OpKind::Gemm, st);
-    gemm.linear_backward_weight(dy, x, g(L.w), bias_grad ? g(L.b) : nullptr, M_, L.n, L.k, st);
-    return;
-  }
-  {  // dW[n, k] = dy^T x, contracting over the token rows: dy^T and x^T are the K-contiguous copies.
-    auto t = timer.op(OpKind::Gemm, st);
-    gemm.linear_fp8(dy8t_, DType::E5M2, &meta(l, lin, 2)->scale_inv, L.x8t, DType::E4M3, &meta(l, lin, 0)->scale_inv,
-                    nullptr, nullptr, g(L.w), DType::F32, L.n, L.k, M_, st);
-  }
-  if (bias_grad) {  // no bias-gradient epilogue for FP8 products
-    auto t = timer.op(OpKind::BiasGrad, st);
-    colsum(dy, M_, L.n, L.n, g(L.b), partial_, st);
-  }
+  gemm.linear_fp8(dy8, DType::E5M2, &meta(l, lin, kOutputGrad)->scale_inv, L.w8t, DType::E4M3,
+                  &meta(l, lin, kWeight)->scale_inv, nullptr, nullptr, dx, DType::BF16, M_, L.k, L.n, st);
+}
+
+void ViT::fp8_weight_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8t, const uint8_t* x8t, cudaStream_t st) {
+  // dW[n, k] = dy^T x, contracting over the token rows: dy^T and x^T are the K-contiguous copies.
+  const Linear& L = linears_[l][lin];
+  gemm.linear_fp8(dy8t, DType::E5M2, &meta(l, lin, kOutputGrad)->scale_inv, x8t, DType::E4M3,
+                  &meta(l, lin, kInput)->scale_inv, nullptr, nullptr, g(L.w), DType::F32, L.n, L.k, M_, st);
 }
 
 // ---- FP8 bookkeeping of a step ----
@@ -250,8 +224,49 @@ void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {
   for (int l = 0; l < cfg_.depth; ++l)
     for (int lin = 0; lin < 4; ++lin) {
       const Linear& L = linears_[l][lin];
-      fp8_cast(meta(l, Lin(lin), 1), pb(L.w), L.n, L.k, Fp8Kind::E4M3, L.w8, L.w8t, st);
+      produce_fp8(meta(l, Lin(lin), kWeight), Fp8Kind::E4M3, L.w8, L.w8t, st,
+                  [&](const Fp8Out& o) { cast_to_fp8(pb(L.w), L.n, L.k, o, st); });
     }
+}
+
+void ViT::set_fp8_counting(bool on, cudaStream_t st) {
+  if (precision_ != Precision::FP8) return;
+  if (on && !fp8_counting_)
+    CUDA_CHECK(cudaMemsetAsync(fp8_stats_, 0, linears_.size() * 12 * 3 * sizeof(unsigned long long), st));
+  fp8_counting_ = on;
+}
+
+std::string ViT::fp8_stats_table(cudaStream_t st) const {
+  if (precision_ != Precision::FP8) return "";
+  const size_t n = linears_.size() * 12;
+  std::vector<Fp8Meta> metas(n);
+  std::vector<unsigned long long> counts(3 * n);
+  CUDA_CHECK(cudaMemcpyAsync(metas.data(), fp8_metas_, n * sizeof(Fp8Meta), cudaMemcpyDeviceToHost, st));
+  CUDA_CHECK(cudaMemcpyAsync(counts.data(), fp8_stats_, counts.size() * sizeof(counts[0]), cudaMemcpyDeviceToHost, st));
+  CUDA_CHECK(cudaStreamSynchronize(st));
+  static const char* kLin[] = {"qkv", "proj", "fc1", "fc2"};
+  static const char* kRole[] = {"input  E4M3", "weight E4M3", "grad   E5M2"};
+  char line[256];
+  std::string out = "  fp8 tensor        blocks  scale min..max         last amax max  underflow  saturated\n";
+  for (int lin = 0; lin < 4; ++lin)
+    for (int role = 0; role < 3; ++role) {
+      float smin = INFINITY, smax = 0, amax = 0;
+      double under = 0, sat = 0, seen = 0;
+      for (int l = 0; l < cfg_.depth; ++l) {
+        const size_t i = meta(l, Lin(lin), Role(role)) - fp8_metas_;
+        smin = std::min(smin, metas[i].scale);
+        smax = std::max(smax, metas[i].scale);
+        amax = std::max(amax, metas[i].history[0]);
+        under += counts[3 * i];
+        sat += counts[3 * i + 1];
+        seen += counts[3 * i + 2];
+      }
+      const double u = seen > 0 ? under / seen : NAN, z = seen > 0 ? sat / seen : NAN;
+      std::snprintf(line, sizeof line, "  %-4s %s  %6d  %9.3g..%-9.3g  %13.4g  %8.4f%%  %8.4f%%\n", kLin[lin],
+                    kRole[role], cfg_.depth, smin, smax, amax, 100 * u, 100 * z);
+      out += line;
+    }
+  return out;
 }
 
 bool ViT::prime_fp8_scales(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
@@ -271,7 +286,7 @@ bool ViT::prime_fp8_scales(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
 void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   NvtxRange range("forward");
   auto phase = timer.phase(Phase::Forward, st);
-  const int D = cfg_.dim, Hd = cfg_.hidden(), P = cfg_.patches(), BP = B_ * P;
+  const int D = cfg_.dim, P = cfg_.patches(), BP = B_ * P;
   {
     NvtxRange r("patch_embed");
     { auto t = timer.op(OpKind::Embed, st); patchify(images_, patches_, B_, cfg_.channels, cfg_.img, cfg_.patch, st); }
@@ -283,22 +298,8 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   }
   for (int l = 0; l < cfg_.depth; ++l) {
     NvtxRange r(nvtx_forward_[l].c_str());
-    const BlockParams& w = layout_.blocks[l];
-    const BlockActs& a = acts_[l];
-    const float *x = resid(2 * l), *x_mid = resid(2 * l + 1);
-    bf16* ln1 = precision_ == Precision::FP8 ? ln_fp8_ : a.ln1;
-    bf16* ln2 = precision_ == Precision::FP8 ? ln_fp8_ : a.ln2;
-    { auto t = timer.op(OpKind::LayerNorm, st);
-      layernorm_forward(x, D, p(w.norm1_w), p(w.norm1_b), ln1, a.ln1_mean, a.ln1_rstd, M_, D, kLayerNormEps, st); }
-    linear_forward(gemm, timer, l, kQkv, ln1, nullptr, a.qkv, DType::BF16, st);
-    { auto t = timer.op(OpKind::Attention, st);
-      attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
-    linear_forward(gemm, timer, l, kProj, a.attn, x, resid(2 * l + 1), DType::F32, st);  // x_mid = x + proj(attn)
-    { auto t = timer.op(OpKind::LayerNorm, st);
-      layernorm_forward(x_mid, D, p(w.norm2_w), p(w.norm2_b), ln2, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps, st); }
-    linear_forward(gemm, timer, l, kFc1, ln2, nullptr, a.fc1, DType::BF16, st);
-    { auto t = timer.op(OpKind::Gelu, st); gelu_forward(a.fc1, gelu_, static_cast<size_t>(M_) * Hd, st); }
-    linear_forward(gemm, timer, l, kFc2, gelu_, x_mid, resid(2 * l + 2), DType::F32, st);
+    if (precision_ == Precision::FP8) forward_block_fp8(l, st, gemm, timer);
+    else forward_block_bf16(l, st, gemm, timer);
   }
   {
     NvtxRange r("head and loss");
@@ -314,10 +315,66 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   }
 }
 
+// x_mid = x + proj(attn(LN1(x))), x_out = x_mid + fc2(gelu(fc1(LN2(x_mid)))); the residual adds
+// ride in the GEMMs' epilogues, the residual stream is fp32.
+void ViT::forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
+  const int D = cfg_.dim, Hd = cfg_.hidden();
+  const BlockParams& w = layout_.blocks[l];
+  const BlockActs& a = acts_[l];
+  const std::array<Linear, 4>& L = linears_[l];
+  const float *x = resid(2 * l), *x_mid = resid(2 * l + 1);
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    layernorm_forward(x, D, p(w.norm1_w), p(w.norm1_b), a.ln1, a.ln1_mean, a.ln1_rstd, M_, D, kLayerNormEps, st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    gemm.linear_forward(a.ln1, pb(L[kQkv].w), pb(L[kQkv].b), nullptr, a.qkv, DType::BF16, M_, 3 * D, D, st); }
+  { auto t = timer.op(OpKind::Attention, st);
+    attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    gemm.linear_forward(a.attn, pb(L[kProj].w), p(L[kProj].b), x, resid(2 * l + 1), DType::F32, M_, D, D, st); }
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    layernorm_forward(x_mid, D, p(w.norm2_w), p(w.norm2_b), a.ln2, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps, st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    gemm.linear_forward(a.ln2, pb(L[kFc1].w), pb(L[kFc1].b), nullptr, a.fc1, DType::BF16, M_, Hd, D, st); }
+  { auto t = timer.op(OpKind::Gelu, st); gelu_forward(a.fc1, gelu_, static_cast<size_t>(M_) * Hd, st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    gemm.linear_forward(gelu_, pb(L[kFc2].w), p(L[kFc2].b), x_mid, resid(2 * l + 2), DType::F32, M_, D, Hd, st); }
+}
+
+// The same block with the four Linear layers in FP8: each GEMM input is written in FP8 by the
+// kernel that computes it (LayerNorm, GELU; the attention output is cast), row-major only; the
+// backward recomputes the transposed copies its weight gradients need.
+void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
+  const int D = cfg_.dim, Hd = cfg_.hidden();
+  const BlockParams& w = layout_.blocks[l];
+  const BlockActs& a = acts_[l];
+  const float *x = resid(2 * l), *x_mid = resid(2 * l + 1);
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    produce_fp8(meta(l, kQkv, kInput), Fp8Kind::E4M3, x8_, nullptr, st, [&](const Fp8Out& o) {
+      layernorm_forward_fp8(x, D, p(w.norm1_w), p(w.norm1_b), o, a.ln1_mean, a.ln1_rstd, M_, D, kLayerNormEps, st);
+    }); }
+  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kQkv, x8_, nullptr, a.qkv, DType::BF16, st); }
+  { auto t = timer.op(OpKind::Attention, st);
+    attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
+  { auto t = timer.op(OpKind::Fp8Cast, st);  // the attention output stays in bf16 for its own backward
+    produce_fp8(meta(l, kProj, kInput), Fp8Kind::E4M3, x8_, nullptr, st,
+                [&](const Fp8Out& o) { cast_to_fp8(a.attn, M_, D, o, st); }); }
+  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kProj, x8_, x, resid(2 * l + 1), DType::F32, st); }
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    produce_fp8(meta(l, kFc1, kInput), Fp8Kind::E4M3, x8_, nullptr, st, [&](const Fp8Out& o) {
+      layernorm_forward_fp8(x_mid, D, p(w.norm2_w), p(w.norm2_b), o, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps,
+                            st);
+    }); }
+  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kFc1, x8_, nullptr, a.fc1, DType::BF16, st); }
+  { auto t = timer.op(OpKind::Gelu, st);
+    produce_fp8(meta(l, kFc2, kInput), Fp8Kind::E4M3, x8_, nullptr, st,
+                [&](const Fp8Out& o) { gelu_forward_fp8(a.fc1, M_, Hd, o, st); }); }
+  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kFc2, x8_, x_mid, resid(2 * l + 2), DType::F32, st); }
+}
+
 void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   NvtxRange range("backward");
   auto phase = timer.phase(Phase::Backward, st);
-  const int D = cfg_.dim, Hd = cfg_.hidden(), BP = B_ * cfg_.patches();
+  const int D = cfg_.dim, BP = B_ * cfg_.patches();
   {
     NvtxRange r("head backward");
     { auto t = timer.op(OpKind::Gemm, st);
@@ -333,34 +390,8 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   }
   for (int l = cfg_.depth - 1; l >= 0; --l) {
     NvtxRange r(nvtx_backward_[l].c_str());
-    const BlockParams& w = layout_.blocks[l];
-    const BlockActs& a = acts_[l];
-    // MLP: dresid is the gradient of this block's output, and of fc2's output. The GELU output
-    // is recomputed in the pass that applies GELU's derivative (4 GiB less for ViT-H at batch 64).
-    prepare_output_grad(timer, l, kFc2, dresid_bf16_, st);
-    linear_backward_input(gemm, timer, l, kFc2, dresid_bf16_, dhidden_, st);
-    { auto t = timer.op(OpKind::Gelu, st);  // FP8 kept fc2's input as its transposed FP8 copy: no recompute
-      gelu_backward(dhidden_, a.fc1, dhidden_, precision_ == Precision::FP8 ? nullptr : gelu_, g(w.fc1_b), partial_,
-                    M_, Hd, st); }
-    linear_backward_weight(gemm, timer, l, kFc2, dresid_bf16_, gelu_, true, st);
-    prepare_output_grad(timer, l, kFc1, dhidden_, st);
-    linear_backward_weight(gemm, timer, l, kFc1, dhidden_, a.ln2, false, st);
-    linear_backward_input(gemm, timer, l, kFc1, dhidden_, dln_, st);
-    { auto t = timer.op(OpKind::LayerNorm, st);
-      layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dresid_bf16_,
-                         g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
-    // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
-    prepare_output_grad(timer, l, kProj, dresid_bf16_, st);
-    linear_backward_weight(gemm, timer, l, kProj, dresid_bf16_, a.attn, true, st);
-    linear_backward_input(gemm, timer, l, kProj, dresid_bf16_, dattn_, st);
-    { auto t = timer.op(OpKind::Attention, st);
-      attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
-    prepare_output_grad(timer, l, kQkv, dqkv_, st);
-    linear_backward_weight(gemm, timer, l, kQkv, dqkv_, a.ln1, true, st);
-    linear_backward_input(gemm, timer, l, kQkv, dqkv_, dln_, st);
-    { auto t = timer.op(OpKind::LayerNorm, st);
-      layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
-                         g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }
+    if (precision_ == Precision::FP8) backward_block_fp8(l, st, gemm, timer);
+    else backward_block_bf16(l, st, gemm, timer);
   }
   {
     NvtxRange r("patch_embed backward");
@@ -375,4 +406,89 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
       gemm.linear_backward_weight(dpatch_, patches_, g(layout_.patch_w), g(layout_.patch_b), BP, D,
                                   cfg_.patch_dim(), st); }
   }
+}
+
+// On entry dresid holds the gradient of the block's output (fp32, and its bf16 copy); on exit,
+// of its input. The LayerNorm backwards add their input gradients into it.
+void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
+  const int D = cfg_.dim, Hd = cfg_.hidden();
+  const BlockParams& w = layout_.blocks[l];
+  const BlockActs& a = acts_[l];
+  const std::array<Linear, 4>& L = linears_[l];
+  // MLP: dresid is the gradient of fc2's output. The GELU output is recomputed in the pass that
+  // applies GELU's derivative (4 GiB less for ViT-H at batch 64).
+  { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dresid_bf16_, pb(L[kFc2].w), dhidden_, M_, D, Hd, st); }
+  { auto t = timer.op(OpKind::Gelu, st);
+    gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, g(L[kFc1].b), partial_, M_, Hd, st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    gemm.linear_backward_weight(dresid_bf16_, gelu_, g(L[kFc2].w), g(L[kFc2].b), M_, D, Hd, st);
+    gemm.linear_backward_weight(dhidden_, a.ln2, g(L[kFc1].w), nullptr, M_, Hd, D, st);  // fc1's bias: above
+    gemm.linear_backward_input(dhidden_, pb(L[kFc1].w), dln_, M_, Hd, D, st); }
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dresid_bf16_,
+                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
+  // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
+  { auto t = timer.op(OpKind::Gemm, st);
+    gemm.linear_backward_weight(dresid_bf16_, a.attn, g(L[kProj].w), g(L[kProj].b), M_, D, D, st);
+    gemm.linear_backward_input(dresid_bf16_, pb(L[kProj].w), dattn_, M_, D, D, st); }
+  { auto t = timer.op(OpKind::Attention, st);
+    attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    gemm.linear_backward_weight(dqkv_, a.ln1, g(L[kQkv].w), g(L[kQkv].b), M_, 3 * D, D, st);
+    gemm.linear_backward_input(dqkv_, pb(L[kQkv].w), dln_, M_, 3 * D, D, st); }
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
+                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }
+}
+
+// The same in FP8. Each output gradient is cast once into both FP8 copies (dy for the input
+// gradient, dy^T for the weight gradient) with its column sums, the bias gradient, in the same
+// pass; fc1's comes straight out of the GELU backward. The weight gradients' transposed inputs
+// are recomputed into x8_ with the forward's scales: the same codes the forward multiplied.
+void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
+  const int D = cfg_.dim, Hd = cfg_.hidden();
+  const BlockParams& w = layout_.blocks[l];
+  const BlockActs& a = acts_[l];
+  const std::array<Linear, 4>& L = linears_[l];
+  auto output_grad = [&](Lin lin, const bf16* dy, int n) {
+    auto t = timer.op(OpKind::Fp8Cast, st);
+    produce_fp8(meta(l, lin, kOutputGrad), Fp8Kind::E5M2, dy8_[0], dy8t_[0], st,
+                [&](const Fp8Out& o) { cast_to_fp8(dy, M_, n, o, st, g(L[lin].b), partial_); });
+  };
+  // MLP: dresid is the gradient of fc2's output.
+  output_grad(kFc2, dresid_bf16_, D);
+  { auto t = timer.op(OpKind::Gemm, st); fp8_input_grad(gemm, l, kFc2, dy8_[0], dhidden_, st); }
+  { auto t = timer.op(OpKind::Gelu, st);  // fc1's output gradient, and fc2's input recomputed
+    produce_fp8(meta(l, kFc1, kOutputGrad), Fp8Kind::E5M2, dy8_[1], dy8t_[1], st, [&](const Fp8Out& o) {
+      gelu_backward_fp8(dhidden_, a.fc1, M_, Hd, o, recompute_fp8(meta(l, kFc2, kInput), x8_), g(L[kFc1].b),
+                        partial_, st);
+    }); }
+  { auto t = timer.op(OpKind::Gemm, st); fp8_weight_grad(gemm, l, kFc2, dy8t_[0], x8_, st); }
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    layernorm_apply_fp8(resid(2 * l + 1), D, p(w.norm2_w), p(w.norm2_b), a.ln2_mean, a.ln2_rstd, M_, D,
+                        recompute_fp8(meta(l, kFc1, kInput), x8_), st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    fp8_weight_grad(gemm, l, kFc1, dy8t_[1], x8_, st);
+    fp8_input_grad(gemm, l, kFc1, dy8_[1], dln_, st); }
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dresid_bf16_,
+                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
+  // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
+  output_grad(kProj, dresid_bf16_, D);
+  { auto t = timer.op(OpKind::Fp8Cast, st); cast_to_fp8(a.attn, M_, D, recompute_fp8(meta(l, kProj, kInput), x8_), st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    fp8_weight_grad(gemm, l, kProj, dy8t_[0], x8_, st);
+    fp8_input_grad(gemm, l, kProj, dy8_[0], dattn_, st); }
+  { auto t = timer.op(OpKind::Attention, st);
+    attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
+  output_grad(kQkv, dqkv_, 3 * D);
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    layernorm_apply_fp8(resid(2 * l), D, p(w.norm1_w), p(w.norm1_b), a.ln1_mean, a.ln1_rstd, M_, D,
+                        recompute_fp8(meta(l, kQkv, kInput), x8_), st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    fp8_weight_grad(gemm, l, kQkv, dy8t_[0], x8_, st);
+    fp8_input_grad(gemm, l, kQkv, dy8_[0], dln_, st); }
+  { auto t = timer.op(OpKind::LayerNorm, st);
+    layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
+                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }
 }

@@ -85,6 +85,13 @@ class ViT {
   void reset_fp8_counters(cudaStream_t stream);
   // Off for evaluation: FP8 casts use the training scales and record no amax.
   void set_fp8_recording(bool on) { fp8_recording_ = on; }
+  // --fp8-stats: while on, the FP8 producers count the values that underflow to zero and that
+  // saturate (a little slower); the counts start from zero when it is switched on.
+  void set_fp8_counting(bool on, cudaStream_t stream);
+  // One line per tensor kind (qkv/proj/fc1/fc2 x input/weight/output gradient) over the blocks:
+  // scale, last amax, and the underflow and saturation fractions counted since counting began.
+  // Synchronises the stream.
+  std::string fp8_stats_table(cudaStream_t stream) const;
   Precision precision() const { return precision_; }
 
   // Forward and loss on images [B, C, H, W] fp32 and labels [B]; leaves loss() and logits().
@@ -108,26 +115,38 @@ class ViT {
   struct BlockActs {
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd, *lse;
     bf16 *ln1, *qkv, *attn, *ln2, *fc1;  // fc1: the pre-GELU activation; GELU is recomputed
+    // (FP8 keeps no ln1, ln2: the weight gradients recompute their FP8 copies from the stats)
   };
-  // One Linear layer of a block: its parameter tensors and, in FP8, its weight copies and the
-  // transposed FP8 copy of its input kept for the weight gradient.
+  // One Linear layer of a block: its parameter tensors and, in FP8, its weight's two copies.
   enum Lin { kQkv, kProj, kFc1, kFc2 };
+  enum Role { kInput, kWeight, kOutputGrad };  // the three FP8 tensors of a Linear layer
   struct Linear {
     int w, b, n, k;  // weight [n, k] and bias [n] tensor indices
-    uint8_t *w8 = nullptr, *w8t = nullptr, *x8t = nullptr;
+    uint8_t *w8 = nullptr, *w8t = nullptr;
   };
-  // y = x W^T + b (+ residual), in bf16 or FP8 (x cast on the way).
-  void linear_forward(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* x, const float* residual, void* y,
-                      DType y_type, cudaStream_t st);
-  // Before a layer's two backward products: in FP8, casts the output gradient.
-  void prepare_output_grad(OpTimer& timer, int l, Lin lin, const bf16* dy, cudaStream_t st);
-  void linear_backward_input(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* dy, bf16* dx, cudaStream_t st);
-  // dW (and db when bias_grad; fc1's comes from the GELU backward) from dy and the input x.
-  void linear_backward_weight(Gemm& gemm, OpTimer& timer, int l, Lin lin, const bf16* dy, const bf16* x,
-                              bool bias_grad, cudaStream_t st);
-  Fp8Meta* meta(int l, Lin lin, int role) const { return fp8_metas_ + (l * 4 + lin) * 3 + role; }  // 0 x, 1 w, 2 dy
-  void fp8_cast(Fp8Meta* m, const bf16* in, int rows, int cols, Fp8Kind kind, uint8_t* out, uint8_t* out_t,
-                cudaStream_t st);
+  void forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
+  void forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
+  void backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
+  void backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
+
+  // FP8: each tensor is made by the kernel that computes it. produce_fp8 runs such a producer,
+  // launch(const Fp8Out&), under the recipe: delayed = one pass with the scale from past amaxes,
+  // recording this one; current = an amax-only pass, the scale update, then the writing pass.
+  template <class Launch>
+  void produce_fp8(Fp8Meta* m, Fp8Kind kind, uint8_t* out, uint8_t* out_t, cudaStream_t st, Launch&& launch);
+  // The backward's recompute of a forward input's transposed copy: the forward's scale, so the
+  // forward's codes; nothing recorded.
+  Fp8Out recompute_fp8(Fp8Meta* m, uint8_t* out_t) const { return {Fp8Kind::E4M3, &m->scale, nullptr, out_t}; }
+  // The three FP8 products of a Linear layer. x8 [M, k] and w8 make y [M, n]; dy8 [M, n] and w8t
+  // make dx [M, k]; dy8t [n, M] and x8t [k, M] make dW [n, k] (fp32).
+  void fp8_forward(Gemm& gemm, int l, Lin lin, const uint8_t* x8, const float* residual, void* y, DType y_type,
+                   cudaStream_t st);
+  void fp8_input_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8, bf16* dx, cudaStream_t st);
+  void fp8_weight_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8t, const uint8_t* x8t, cudaStream_t st);
+  Fp8Meta* meta(int l, Lin lin, Role role) const { return fp8_metas_ + (l * 4 + lin) * 3 + role; }
+  unsigned long long* stats(const Fp8Meta* m) const {
+    return fp8_counting_ ? fp8_stats_ + 3 * (m - fp8_metas_) : nullptr;
+  }
 
   const float* p(int t) const { return params_ + layout_.at(t).offset; }
   const bf16* pb(int t) const { return params_bf16_ + layout_.at(t).offset; }
@@ -143,9 +162,11 @@ class ViT {
   Fp8Meta* fp8_metas_ = nullptr;
   int *fp8_step_non_finite_ = nullptr, *fp8_skipped_ = nullptr;
   float* fp8_amax_scratch_ = nullptr;
-  bool fp8_recording_ = true;
-  uint8_t *x8_ = nullptr, *dy8_ = nullptr, *dy8t_ = nullptr;  // FP8 operands of the current product
-  bf16* ln_fp8_ = nullptr;  // FP8: the LayerNorm output of the moment (not kept for backward)
+  bool fp8_recording_ = true, fp8_counting_ = false;
+  unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting
+  // FP8 operands of the products at hand: a forward input (or, in the backward, its recomputed
+  // transposed copy), and two output gradients' copies (fc2's live on while fc1's are made).
+  uint8_t *x8_ = nullptr, *dy8_[2] = {}, *dy8t_[2] = {};
 
   float *params_, *grads_, *momentum_;
   bf16* params_bf16_;
@@ -162,5 +183,5 @@ class ViT {
   // backward temporaries, reused block after block
   float *dresid_, *partial_, *delta_;
   bf16 *dresid_bf16_, *dhidden_, *dln_, *dattn_, *dqkv_, *dlogits_, *dfeat_, *dpatch_;
-  bf16* gelu_;  // the current block's GELU output, forward and (recomputed) backward
+  bf16* gelu_;  // bf16: the current block's GELU output, forward and (recomputed) backward
 };

@@ -68,6 +68,8 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(usage_error({"--fp8-recipe", "hybrid"}).find("unknown --fp8-recipe 'hybrid'") != std::string::npos);
   CHECK(usage_error({"--amax-history", "0"}).find("--amax-history must be between 1") != std::string::npos);
   CHECK(parse({"--precision", "fp8", "--fp8-recipe", "current", "--fp8-margin", "1"}).fp8_margin == 1);
+  CHECK(parse({"--precision", "fp8", "--fp8-stats"}).fp8_stats);
+  CHECK(usage_error({"--fp8-stats"}).find("--fp8-stats needs --precision fp8") != std::string::npos);
   CHECK(usage_error({"--gpus", "0"}).find("--gpus must be between 1") != std::string::npos);
   CHECK(usage_error({"--batch", "-1"}).find("--batch must be between 1") != std::string::npos);
   CHECK(usage_error({"--batch", "12x"}).find("expects an integer") != std::string::npos);

@@ -188,7 +188,7 @@ TEST_CASE("gpu: FP8 cast with transposed copy and amax, bit for bit against the 
     DeviceBuffer<bf16> in(to_bf16(x));
     DeviceBuffer<float> s(std::vector<float>{scale}), amax(std::vector<float>{0.5f});
     DeviceBuffer<uint8_t> out(static_cast<size_t>(rows) * cols), out_t(static_cast<size_t>(rows) * cols);
-    cast_to_fp8(in.get(), rows, cols, s.get(), kind, out.get(), out_t.get(), amax.get(), 0);
+    cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, s.get(), out.get(), out_t.get(), amax.get()}, 0);
     const auto o = out.download(), ot = out_t.download();
     int mismatches = 0;
     for (int r = 0; r < rows; ++r)
@@ -200,11 +200,11 @@ TEST_CASE("gpu: FP8 cast with transposed copy and amax, bit for bit against the 
     CHECK(mismatches == 0);
     CHECK(amax.download()[0] == static_cast<float>(amax_ref));
     amax.upload(std::vector<float>{1e6f});  // a larger running amax survives the cast
-    cast_to_fp8(in.get(), rows, cols, s.get(), kind, out.get(), nullptr, amax.get(), 0);
+    cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, s.get(), out.get(), nullptr, amax.get()}, 0);
     CHECK(amax.download()[0] == 1e6f);
     x[17] = NAN;  // a non-finite tensor shows in its amax
     in.upload(to_bf16(x));
-    cast_to_fp8(in.get(), rows, cols, s.get(), kind, out.get(), nullptr, amax.get(), 0);
+    cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, s.get(), out.get(), nullptr, amax.get()}, 0);
     CHECK(std::isnan(amax.download()[0]));
   }
 }

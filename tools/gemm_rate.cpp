@@ -1,7 +1,10 @@
 // gemm_rate: the rate cuBLASLt reaches on this card at the shapes of one ViT block's twelve GEMMs
 // (through the engine's own GEMM entry point, each shape timed alone: CUDA events, median of 20
-// after warm-up, random bf16 operands) and at a large square product, for comparison with the
-// GEMM time inside a training step (vit_train --timing).
+// after warm-up, random operands) and at a large square product, for comparison with the GEMM
+// time inside a training step (vit_train --timing). Two tables: bf16, then FP8 in the engine's
+// layouts (E4M3 inputs and weights, E5M2 output gradients, the transposed copies where the
+// contraction runs along tokens or output features), forward products with and without fast
+// accumulation.
 // Usage: gemm_rate [--dim D] [--hidden H] [--tokens M]   (default: ViT-H/16 at batch 64)
 #include <cuda_bf16.h>
 
@@ -13,6 +16,8 @@
 
 #include "engine/check.h"
 #include "engine/gemm.h"
+#include "kernels/elementwise.h"
+#include "kernels/fp8.h"
 #include "kernels/random.h"
 
 namespace {
@@ -109,6 +114,62 @@ int main(int argc, char** argv) {
       if (p.in_block) { block_ms += m; block_flops += flops; }
     }
     std::printf("one block's 12 GEMMs: %.3f ms, %.1f TFLOP/s\n", block_ms, block_flops / (block_ms * 1e-3) / 1e12);
+
+    // FP8: random codes from the bf16 operands (scale 1: |x| < ~5, well inside both formats).
+    uint8_t *a8, *b8;
+    float *one, *amax;
+    CUDA_CHECK(cudaMalloc(&a8, most));
+    CUDA_CHECK(cudaMalloc(&b8, most));
+    CUDA_CHECK(cudaMalloc(&one, 2 * sizeof(float)));
+    amax = one + 1;
+    fill_constant(one, 2, 1.0f, 0);
+    const int rows64 = static_cast<int>(most / 64);
+    cast_to_fp8(a, rows64, 64, Fp8Out{Fp8Kind::E5M2, one, a8, nullptr, amax}, 0);  // E5M2 codes: gradients
+    cast_to_fp8(b, rows64, 64, Fp8Out{Fp8Kind::E4M3, one, b8, nullptr, amax}, 0);
+    struct Fp8Product {
+      std::string name;
+      int M, N, K;
+      DType a_type, y_type;
+      bool bias, residual, fast, in_block;
+    };
+    std::vector<Fp8Product> fp8;
+    const struct { const char* name; int n, k; DType y_type; bool residual; } linears[] = {
+        {"qkv", 3 * D, D, DType::BF16, false}, {"proj", D, D, DType::F32, true},
+        {"fc1", H, D, DType::BF16, false}, {"fc2", D, H, DType::F32, true}};
+    for (bool fast : {false, true})
+      for (const auto& l : linears)
+        fp8.push_back({std::string(l.name) + (fast ? " fwd fast" : " forward"), M, l.n, l.k, DType::E4M3, l.y_type,
+                       true, l.residual, fast, fast});
+    for (const auto& l : linears)
+      fp8.push_back({std::string(l.name) + " input grad", M, l.k, l.n, DType::E5M2, DType::BF16, false, false, false,
+                     true});
+    for (const auto& l : linears)
+      fp8.push_back({std::string(l.name) + " weight grad", l.n, l.k, M, DType::E5M2, DType::F32, false, false, false,
+                     true});
+    fp8.push_back({"square 8192^3", 8192, 8192, 8192, DType::E4M3, DType::BF16, false, false, false, false});
+    fp8.push_back({"square fast", 8192, 8192, 8192, DType::E4M3, DType::BF16, false, false, true, false});
+    std::printf("\nFP8\n%-18s %7s %7s %7s %10s %10s\n", "product", "M", "N", "K", "ms", "TFLOP/s");
+    block_ms = block_flops = 0;
+    for (const Fp8Product& p : fp8) {
+      auto launch = [&] {
+        gemm.linear_fp8(a8, p.a_type, one, b8, DType::E4M3, one, p.bias ? b : nullptr, p.residual ? x32 : nullptr,
+                        p.y_type == DType::F32 ? static_cast<void*>(out) : c, p.y_type, p.M, p.N, p.K, 0, 0, p.fast);
+      };
+      for (int i = 0; i < 5; ++i) launch();
+      std::vector<float> ms(20);
+      for (float& t : ms) {
+        CUDA_CHECK(cudaEventRecord(e0));
+        launch();
+        CUDA_CHECK(cudaEventRecord(e1));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+      }
+      const double m = median(ms), flops = 2.0 * p.M * p.N * p.K;
+      std::printf("%-18s %7d %7d %7d %10.3f %10.1f\n", p.name.c_str(), p.M, p.N, p.K, m, flops / (m * 1e-3) / 1e12);
+      if (p.in_block) { block_ms += m; block_flops += flops; }
+    }
+    std::printf("one block's 12 FP8 GEMMs (forward with fast accumulation): %.3f ms, %.1f TFLOP/s\n", block_ms,
+                block_flops / (block_ms * 1e-3) / 1e12);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gemm_rate: error: %s\n", e.what());

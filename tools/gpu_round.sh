@@ -5,8 +5,10 @@
 #   3. the speed round: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh), then the
 #      engine's per-phase breakdown (--timing)
 #   4. the reference tier on ViT-H itself
-# and, on request, fashion_bf16 (the Fashion-MNIST recipe of the FP8 issue, in bf16; the IDX
-# files from $FASHION_MNIST, default /usr/share/datasets/fashion-mnist), timing_heuristic (the breakdown with cuBLASLt's heuristic GEMM choices) and
+# and, on request, fashion (the Fashion-MNIST recipe of the FP8 issue, once per entry of
+# $FASHION_RUNS, PRECISION:SEED with PRECISION bf16, fp8 or fp8-current, default "bf16:0 fp8:0";
+# the IDX files from $FASHION_MNIST, default /usr/share/datasets/fashion-mnist), fp8_stats (ViT-H
+# in fp8 with --fp8-stats), timing_heuristic (the breakdown with cuBLASLt's heuristic GEMM choices) and
 # ncu (Nsight Compute's speed-of-light of each non-GEMM kernel and each GEMM of one block).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small bench timing ref_h)
@@ -38,10 +40,20 @@ for part in $parts; do
       run gemm_rate ./gemm_rate ;;
     timing) run timing ./vit_train --steps 15 --warmup 5 --timing
       run timing_fp8 ./vit_train --precision fp8 --steps 15 --warmup 5 --timing ;;
-    fashion_bf16)
-      run fashion_bf16 ./vit_train --data "fashion-mnist:${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}" \
-        --img 28 --patch 4 --channels 1 --classes 10 --dim 192 --depth 6 --heads 3 --batch 128 --epochs 10 \
-        --lr 0.1 --momentum 0.9 --lr-schedule cosine --warmup-steps 468 --log-every 117 ;;
+    fashion)
+      for entry in ${FASHION_RUNS:-bf16:0 fp8:0}; do
+        prec=${entry%%:*} seed=${entry##*:}
+        case $prec in
+          bf16) flags="--precision bf16" ;;
+          fp8) flags="--precision fp8" ;;
+          fp8-current) flags="--precision fp8 --fp8-recipe current" ;;
+          *) echo "unknown FASHION_RUNS precision $prec"; status=1; continue ;;
+        esac
+        run "fashion_${prec}_seed$seed" ./vit_train --data "fashion-mnist:${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}" \
+          --img 28 --patch 4 --channels 1 --classes 10 --dim 192 --depth 6 --heads 3 --batch 128 --epochs 10 \
+          --lr 0.1 --momentum 0.9 --lr-schedule cosine --warmup-steps 468 --log-every 468 $flags --seed "$seed"
+      done ;;
+    fp8_stats) run fp8_stats ./vit_train --precision fp8 --steps 20 --warmup 5 --log-every 10 --fp8-stats ;;
     timing_heuristic) run timing_heuristic ./vit_train --steps 15 --warmup 5 --timing --no-gemm-autotune ;;
     ncu)  # ViT-H shapes at depth 2: every kernel kind once, GEMMs with the heuristic's choice
       run ncu ncu --clock-control none --section SpeedOfLight --launch-count 40 \

@@ -1,0 +1,185 @@
+// GPU tier: the kernels that write FP8 GEMM operands as they compute them (kernels/fp8.h):
+// the cast with its bias sums and statistics, GELU forward and backward, LayerNorm forward and
+// its recompute from the saved statistics. Codes are checked against the oracle's encoding of
+// the float64 truth; the backward's recomputes against the forward's codes, bit for bit.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/elementwise.h"
+#include "kernels/fp8.h"
+#include "kernels/layernorm.h"
+#include "tests/gpu_util.h"
+#include "tests/harness.h"
+#include "tests/reference/fp8.h"
+#include "tests/reference/reference.h"
+
+using bf16 = __nv_bfloat16;
+
+namespace {
+ref::Fp8 oracle_kind(Fp8Kind k) { return k == Fp8Kind::E4M3 ? ref::Fp8::E4M3 : ref::Fp8::E5M2; }
+
+// A code the device computed from fp32 arithmetic: the oracle's encoding of the truth t (already
+// scaled), or of a value within e of it (the fp32 rounding of what led to t).
+bool within_rounding(uint8_t got, double t, double e, ref::Fp8 f) {
+  const float lo = ref::fp8_decode(ref::fp8_encode(static_cast<float>(t - e), f), f);
+  const float hi = ref::fp8_decode(ref::fp8_encode(static_cast<float>(t + e), f), f);
+  const float v = ref::fp8_decode(got, f);
+  return v >= lo && v <= hi;
+}
+
+double amax_of(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// Codes of a tensor against the truth (unscaled) times scale, allowing fp32's rounding: 1e-5
+// relative, and 1e-6 of the tensor's largest value absolute (cancellations in LN's shift).
+int codes_off(const std::vector<uint8_t>& got, const std::vector<double>& truth, double scale, Fp8Kind kind) {
+  const double floor = 1e-6 * amax_of(truth) * scale;
+  int off = 0;
+  for (size_t i = 0; i < truth.size(); ++i) {
+    const double t = truth[i] * scale;
+    off += !within_rounding(got[i], t, 1e-5 * std::fabs(t) + floor, oracle_kind(kind));
+  }
+  return off;
+}
+
+std::vector<uint8_t> transposed(const std::vector<uint8_t>& a, int rows, int cols) {
+  std::vector<uint8_t> t(a.size());
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) t[static_cast<size_t>(c) * rows + r] = a[static_cast<size_t>(r) * cols + c];
+  return t;
+}
+}  // namespace
+
+TEST_CASE("gpu: FP8 cast with bias sums, statistics, and an amax-only pass") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const int rows = 80, cols = 136;  // partial 64 x 64 tiles both ways
+  const size_t n = static_cast<size_t>(rows) * cols;
+  for (Fp8Kind kind : {Fp8Kind::E4M3, Fp8Kind::E5M2}) {
+    CAPTURE(int(kind));
+    const ref::Fp8 f = oracle_kind(kind);
+    const float scale = kind == Fp8Kind::E4M3 ? 100.0f : 3000.0f;
+    const double fmax = ref::fp8_format(f).max;
+    auto x = round_bf16(random_vec(rng, n, -3, 3));
+    for (size_t i = 0; i < n; i += 97) x[i] = 1e-9;  // underflow to zero after scaling
+    x[5] = 8192;                                     // saturates
+    x[6] = 0;                                        // zero is not an underflow
+    std::vector<double> db_ref(cols, 0.0);
+    unsigned long long under = 0, sat = 0;
+    for (size_t i = 0; i < n; ++i) {
+      db_ref[i % cols] += x[i];
+      const uint8_t code = ref::fp8_encode(static_cast<float>(x[i]) * scale, f);
+      under += x[i] != 0 && (code & 0x7f) == 0;
+      sat += std::fabs(static_cast<float>(x[i]) * scale) > fmax;
+    }
+    x = round_bf16(x);
+    DeviceBuffer<bf16> in(to_bf16(x));
+    DeviceBuffer<float> s(std::vector<float>{scale}), amax(std::vector<float>{0.5f}), db(cols),
+        partial(fp8_cast_partial_floats(rows, cols));
+    DeviceBuffer<uint8_t> out(n), out_t(n);
+    DeviceBuffer<unsigned long long> stats(std::vector<unsigned long long>{0, 0, 0});
+    cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, s.get(), out.get(), out_t.get(), amax.get(), stats.get()}, 0,
+                db.get(), partial.get());
+    const auto o = out.download();
+    int mismatches = 0;
+    for (size_t i = 0; i < n; ++i) mismatches += o[i] != ref::fp8_encode(static_cast<float>(x[i]) * scale, f);
+    CHECK(mismatches == 0);
+    CHECK(out_t.download() == transposed(o, rows, cols));
+    CHECK(amax.download()[0] == static_cast<float>(amax_of(x)));
+    CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-5);
+    const auto st = stats.download();
+    CHECK(st[0] == under);
+    CHECK(under >= n / 97 - 1);
+    CHECK(st[1] == sat);
+    CHECK(sat >= 1);
+    CHECK(st[2] == n);
+
+    // The current recipe's first pass: no scale, nothing written, only the amax measured.
+    out.poison();
+    amax.upload(std::vector<float>{0.0f});
+    cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, nullptr, out.get(), nullptr, amax.get(), stats.get()}, 0);
+    CHECK(amax.download()[0] == static_cast<float>(amax_of(x)));
+    for (uint8_t c : out.download()) REQUIRE(c == 0xFF);
+    CHECK(stats.download()[2] == n);  // nothing written, nothing counted
+  }
+}
+
+TEST_CASE("gpu: FP8 GELU forward, and the backward's gradient, bias sums and recomputed input") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const int M = 80, N = 200;
+  const size_t n = static_cast<size_t>(M) * N;
+  const auto h = round_bf16(random_vec(rng, n, -5, 5)), da = round_bf16(random_vec(rng, n, -1e-3, 1e-3));
+  std::vector<double> a_ref(n), dh_ref(n), db_ref(N, 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    a_ref[i] = ref::gelu(h[i]);
+    dh_ref[i] = da[i] * ref::gelu_grad(h[i]);
+    db_ref[i % N] += dh_ref[i];
+  }
+  const float a_scale = 448.0f / 5.0f, dh_scale = 57344.0f / 1e-3f;
+  DeviceBuffer<bf16> h_in(to_bf16(h)), da_in(to_bf16(da));
+  DeviceBuffer<float> as(std::vector<float>{a_scale}), ds(std::vector<float>{dh_scale});
+  DeviceBuffer<float> a_amax(std::vector<float>{0.0f}), dh_amax(std::vector<float>{0.0f}), db(N),
+      partial(fp8_cast_partial_floats(M, N));
+  DeviceBuffer<uint8_t> a8(n), a8t(n), dh8(n), dh8t(n);
+
+  gelu_forward_fp8(h_in.get(), M, N, Fp8Out{Fp8Kind::E4M3, as.get(), a8.get(), nullptr, a_amax.get()}, 0);
+  const auto a_codes = a8.download();
+  CHECK(codes_off(a_codes, a_ref, a_scale, Fp8Kind::E4M3) == 0);
+  CHECK(std::fabs(a_amax.download()[0] - amax_of(a_ref)) <= 1e-6 * amax_of(a_ref));
+
+  gelu_backward_fp8(da_in.get(), h_in.get(), M, N, Fp8Out{Fp8Kind::E5M2, ds.get(), dh8.get(), dh8t.get(), dh_amax.get()},
+                    Fp8Out{Fp8Kind::E4M3, as.get(), nullptr, a8t.get()}, db.get(), partial.get(), 0);
+  const auto dh_codes = dh8.download();
+  CHECK(codes_off(dh_codes, dh_ref, dh_scale, Fp8Kind::E5M2) == 0);
+  CHECK(dh8t.download() == transposed(dh_codes, M, N));
+  CHECK(std::fabs(dh_amax.download()[0] - amax_of(dh_ref)) <= 1e-5 * amax_of(dh_ref));
+  CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-4);
+  // fc2's input for its weight gradient: the forward's very codes, transposed.
+  CHECK(a8t.download() == transposed(a_codes, M, N));
+}
+
+TEST_CASE("gpu: FP8 LayerNorm forward, and its recompute from the saved statistics") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const int M = 80, D = 200;
+  const size_t n = static_cast<size_t>(M) * D;
+  const auto x = round_f32(random_vec(rng, n, -3, 3));
+  const auto w = round_f32(random_vec(rng, D, 0.5, 1.5)), b = round_f32(random_vec(rng, D));
+  std::vector<double> y_ref, mean_ref, rstd_ref;
+  ref::layernorm_forward(M, D, x, w.data(), b.data(), 1e-6, &y_ref, &mean_ref, &rstd_ref);
+  const float scale = 448.0f / 4.0f;
+  DeviceBuffer<float> dx(to_f32(x)), dw(to_f32(w)), db(to_f32(b)), mean(M), rstd(M), s(std::vector<float>{scale}),
+      amax(std::vector<float>{0.0f});
+  DeviceBuffer<uint8_t> y8(n), y8t(n);
+  layernorm_forward_fp8(dx.get(), D, dw.get(), db.get(), Fp8Out{Fp8Kind::E4M3, s.get(), y8.get(), nullptr, amax.get()},
+                        mean.get(), rstd.get(), M, D, 1e-6f, 0);
+  const auto codes = y8.download();
+  CHECK(codes_off(codes, y_ref, scale, Fp8Kind::E4M3) == 0);
+  CHECK(rel_error(to_f64(mean.download()), mean_ref) < 1e-5);
+  CHECK(rel_error(to_f64(rstd.download()), rstd_ref) < 1e-5);
+  CHECK(std::fabs(amax.download()[0] - amax_of(y_ref)) <= 1e-5 * amax_of(y_ref));
+
+  // The backward's recompute: the forward's codes, bit for bit, in either copy.
+  layernorm_apply_fp8(dx.get(), D, dw.get(), db.get(), mean.get(), rstd.get(), M, D,
+                      Fp8Out{Fp8Kind::E4M3, s.get(), nullptr, y8t.get()}, 0);
+  CHECK(y8t.download() == transposed(codes, M, D));
+  y8.poison();
+  layernorm_apply_fp8(dx.get(), D, dw.get(), db.get(), mean.get(), rstd.get(), M, D,
+                      Fp8Out{Fp8Kind::E4M3, s.get(), y8.get(), nullptr}, 0);
+  CHECK(y8.download() == codes);
+
+  // The current recipe's first pass writes nothing and measures the amax.
+  y8.poison();
+  amax.upload(std::vector<float>{0.0f});
+  layernorm_forward_fp8(dx.get(), D, dw.get(), db.get(), Fp8Out{Fp8Kind::E4M3, nullptr, y8.get(), nullptr, amax.get()},
+                        mean.get(), rstd.get(), M, D, 1e-6f, 0);
+  CHECK(std::fabs(amax.download()[0] - amax_of(y_ref)) <= 1e-5 * amax_of(y_ref));
+  for (uint8_t c : y8.download()) REQUIRE(c == 0xFF);
+}
