@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(fp8tile::kThreads)
       const float cdf = normal_cdf(x[j]);
       d[j] *= gelu_grad(x[j], cdf);
       sum[j] += d[j];
-      x[j] = gelu(x[j]);
+      x[j] *= cdf;  // gelu(x), as GeluSource computes it: one erf for both
     }
     const uint2 dc = qd.pack8(d);
     if (dh_row_major) *reinterpret_cast<uint2*>(dh_out.out + i) = dc;
