@@ -100,13 +100,24 @@ __global__ void __launch_bounds__(fp8tile::kThreads)
   const bool a_transposed = qa.write && a_out.out_t;
   const int r0 = blockIdx.y * kTile, c0 = blockIdx.x * kTile;
   float sum[kVec] = {};
-  for (int v = threadIdx.x; v < kVectors; v += kThreads) {
-    const int tr = vec_row(v), tc = vec_col(v), r = r0 + tr, c = c0 + tc;
+  constexpr int kPerThread = kVectors / kThreads;
+  Bf16x8 dav[kPerThread], hv[kPerThread];  // all loads in flight before any arithmetic
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int v = threadIdx.x + k * kThreads, r = r0 + vec_row(v), c = c0 + vec_col(v);
+    if (r >= rows || c >= cols) continue;
+    const size_t i = static_cast<size_t>(r) * cols + c;
+    dav[k] = *reinterpret_cast<const Bf16x8*>(da + i);
+    hv[k] = *reinterpret_cast<const Bf16x8*>(h + i);
+  }
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int v = threadIdx.x + k * kThreads, tr = vec_row(v), tc = vec_col(v), r = r0 + tr, c = c0 + tc;
     if (r >= rows || c >= cols) continue;
     const size_t i = static_cast<size_t>(r) * cols + c;
     float d[kVec], x[kVec];
-    reinterpret_cast<const Bf16x8*>(da + i)->to_float(d);
-    reinterpret_cast<const Bf16x8*>(h + i)->to_float(x);
+    dav[k].to_float(d);
+    hv[k].to_float(x);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float cdf = normal_cdf(x[j]);

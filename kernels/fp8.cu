@@ -8,8 +8,9 @@ namespace {
 struct Bf16Source {
   const bf16* in;
   int cols;
+  size_t batch_stride = 0;  // elements from one tensor of a batched launch to the next
   __device__ void load(int r, int c, float* x) const {
-    reinterpret_cast<const Bf16x8*>(in + static_cast<size_t>(r) * cols + c)->to_float(x);
+    reinterpret_cast<const Bf16x8*>(in + blockIdx.z * batch_stride + static_cast<size_t>(r) * cols + c)->to_float(x);
   }
 };
 }  // namespace
@@ -24,4 +25,15 @@ void cast_to_fp8(const bf16* in, int rows, int cols, const Fp8Out& o, cudaStream
   fp8tile::launch_tile(Bf16Source{in, cols}, rows, cols, o, db ? partial : nullptr, stream);
   LAUNCH_CHECK();
   if (db) sum_rows(partial, fp8tile::tile_rows(rows), cols, cols, db, stream);
+}
+
+void cast_to_fp8_batched(const bf16* in, size_t in_stride, int rows, int cols, const Fp8Out& first,
+                         const Fp8Strides& strides, int count, cudaStream_t stream) {
+  NvtxRange range("cast_to_fp8_batched");
+  ENSURE(fp8tile::valid(first, rows, cols) && is_aligned16(in) && in_stride % 8 == 0 && strides.out % 8 == 0 &&
+             strides.out_t % 8 == 0 && strides.meta % 4 == 0 && strides.stats % 8 == 0 && count >= 1 &&
+             count <= 65535,
+         "cast_to_fp8_batched: rows and cols multiples of 8, tensors and strides aligned");
+  fp8tile::launch_tile(Bf16Source{in, cols, in_stride}, rows, cols, first, nullptr, stream, count, strides);
+  LAUNCH_CHECK();
 }

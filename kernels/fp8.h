@@ -33,3 +33,13 @@ struct Fp8Out {
 void cast_to_fp8(const __nv_bfloat16* in, int rows, int cols, const Fp8Out& o, cudaStream_t stream,
                  float* db = nullptr, float* partial = nullptr);
 size_t fp8_cast_partial_floats(int rows, int cols);
+
+// The casts of count same-shaped tensors in one launch: tensor z reads in + z * in_stride and
+// writes through first's pointers advanced by z times the byte strides (scale and amax share
+// one: they live in one record). For many small tensors (the weights) one launch fills the GPU
+// where one launch a tensor does not.
+struct Fp8Strides {
+  size_t out = 0, out_t = 0, meta = 0, stats = 0;
+};
+void cast_to_fp8_batched(const __nv_bfloat16* in, size_t in_stride, int rows, int cols, const Fp8Out& first,
+                         const Fp8Strides& strides, int count, cudaStream_t stream);

@@ -13,59 +13,55 @@ namespace fp8tile {
 constexpr int kTile = 64, kThreads = 256, kVec = 8;
 constexpr int kVectors = kTile * kTile / kVec;  // 512: two per thread
 
-// Non-negative floats order like their bit patterns, so an integer atomicMax serves; NaN's bits
-// sort above infinity's, so a NaN survives.
-__device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
-  atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
-}
-
 // One thread's side of a producer's FP8 output: the codes, and the amax and statistics so far.
+// The amax is kept as the maximum of |v|'s bit patterns: non-negative floats order like their
+// bits, and a NaN's bits sort above infinity's, so a NaN survives (one integer max a value).
 template <__nv_fp8_interpretation_t kKind>
 struct Quantizer {
   static constexpr float kMax = kKind == __NV_E4M3 ? 448.0f : 57344.0f;
   float scale;
-  bool write, count;
-  float amax = 0.0f;
-  unsigned under = 0, saturated = 0, seen = 0;
+  bool write, count, track;
+  unsigned amax_bits = 0, under = 0, saturated = 0, seen = 0;
 
-  __device__ explicit Quantizer(const Fp8Out& o) : scale(o.scale ? *o.scale : 0.0f), write(o.scale), count(o.stats && o.scale) {}
+  __device__ explicit Quantizer(const Fp8Out& o)
+      : scale(o.scale ? *o.scale : 0.0f), write(o.scale), count(o.stats && o.scale), track(o.amax) {}
 
-  __device__ __forceinline__ uint32_t code(float v) {
-    amax = max_nan(amax, fabsf(v));
+  __device__ __forceinline__ void see(float v) {
+    if (track) amax_bits = max(amax_bits, __float_as_uint(v) & 0x7fffffffu);
+  }
+  // Two values to two codes (one instruction), a's in the low byte.
+  __device__ __forceinline__ uint32_t code2(float a, float b) {
+    see(a);
+    see(b);
     if (!write) return 0;
-    const float s = v * scale;
-    const uint32_t c = __nv_cvt_float_to_fp8(s, __NV_SATFINITE, kKind);
-    if (count) {
-      under += v != 0.0f && (c & 0x7f) == 0;  // +-0 are the codes 0x00 and 0x80 in both formats
-      saturated += fabsf(s) > kMax;
-      ++seen;
+    const float sa = a * scale, sb = b * scale;
+    const uint32_t c = __nv_cvt_float2_to_fp8x2(make_float2(sa, sb), __NV_SATFINITE, kKind);
+    if (count) {  // +-0 are the codes 0x00 and 0x80 in both formats
+      under += (a != 0.0f && (c & 0x7f) == 0) + (b != 0.0f && (c & 0x7f00) == 0);
+      saturated += (fabsf(sa) > kMax) + (fabsf(sb) > kMax);
+      seen += 2;
     }
     return c;
   }
   // Eight values to eight codes, lowest address in the lowest byte.
   __device__ __forceinline__ uint2 pack8(const float* x) {
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) lo |= code(x[j]) << (8 * j);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) hi |= code(x[4 + j]) << (8 * j);
-    return make_uint2(lo, hi);
+    return make_uint2(pack4(x[0], x[1], x[2], x[3]), pack4(x[4], x[5], x[6], x[7]));
   }
   __device__ __forceinline__ uint32_t pack4(float a, float b, float c, float d) {
-    return code(a) | code(b) << 8 | code(c) << 16 | code(d) << 24;
+    return code2(a, b) | code2(c, d) << 16;
   }
 };
 
 // The block's amax and statistics into the output's: one atomic each per block. Every thread of
 // the block calls it (it synchronises); scratch holds a float and three counters per warp.
 struct BlockScratch {
-  float amax[kThreads / 32];
+  unsigned amax[kThreads / 32];
   unsigned under[kThreads / 32], saturated[kThreads / 32], seen[kThreads / 32];
 };
 template <class Q>
 __device__ void block_record(const Q& q, const Fp8Out& o, BlockScratch& s) {
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const float m = warp_max_nan(q.amax);
+  const unsigned m = __reduce_max_sync(0xffffffffu, q.amax_bits);
   unsigned u = q.under, sat = q.saturated, n = q.seen;
   if (q.count) {
 #pragma unroll
@@ -83,15 +79,15 @@ __device__ void block_record(const Q& q, const Fp8Out& o, BlockScratch& s) {
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    float b = s.amax[0];
+    unsigned b = s.amax[0];
     unsigned long long bu = s.under[0], bs = s.saturated[0], bn = s.seen[0];
     for (int i = 1; i < warps; ++i) {
-      b = max_nan(b, s.amax[i]);
+      b = max(b, s.amax[i]);
       bu += s.under[i];
       bs += s.saturated[i];
       bn += s.seen[i];
     }
-    if (o.amax) atomic_max_nonneg(o.amax, b);
+    if (o.amax) atomicMax(reinterpret_cast<unsigned*>(o.amax), b);
     if (q.count) {
       if (bu) atomicAdd(o.stats, bu);
       if (bs) atomicAdd(o.stats + 1, bs);
@@ -111,18 +107,32 @@ __device__ __forceinline__ int vec_row(int v) { return v / (kTile / kVec); }
 __device__ __forceinline__ int vec_col(int v) { return (v % (kTile / kVec)) * kVec; }
 
 // Writes the tile's codes, held in t, transposed into out_t [cols, rows] (after a __syncthreads).
+// A thread takes 8 rows x 4 columns: eight 4-byte shared loads, byte permutes, four 8-byte
+// stores (threads of a warp step along rows first: 64 contiguous bytes of each column).
 __device__ __forceinline__ void store_transposed(const Tile& t, uint8_t* out_t, int r0, int c0, int rows,
                                                  int cols) {
-  for (int v = threadIdx.x; v < kVectors; v += kThreads) {
-    const int tc = v / (kTile / kVec), tr = (v % (kTile / kVec)) * kVec;
-    const int c = c0 + tc, r = r0 + tr;
-    if (c >= cols || r >= rows) continue;  // rows % 8 == 0: a vector is all in or all out
-    uint32_t lo = 0, hi = 0;
+  constexpr int kRowGroups = kTile / 8, kColGroups = kTile / 4;
+  for (int item = threadIdx.x; item < kRowGroups * kColGroups; item += blockDim.x) {
+    const int tr = (item % kRowGroups) * 8, tc = (item / kRowGroups) * 4;
+    if (r0 + tr >= rows || c0 + tc >= cols) continue;  // rows % 8, cols % 8 == 0: all in or all out
+    uint32_t w[8];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) lo |= uint32_t(t.code[tr + j][tc]) << (8 * j);
+    for (int i = 0; i < 8; ++i) w[i] = *reinterpret_cast<const uint32_t*>(&t.code[tr + i][tc]);
+    uint32_t col[2][4];  // [row half][column]: 4 rows' bytes of one column
 #pragma unroll
-    for (int j = 0; j < 4; ++j) hi |= uint32_t(t.code[tr + 4 + j][tc]) << (8 * j);
-    *reinterpret_cast<uint2*>(out_t + static_cast<size_t>(c) * rows + r) = make_uint2(lo, hi);
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t *v = w + 4 * h;
+      const uint32_t lo01 = __byte_perm(v[0], v[1], 0x5140), lo23 = __byte_perm(v[2], v[3], 0x5140);
+      const uint32_t hi01 = __byte_perm(v[0], v[1], 0x7362), hi23 = __byte_perm(v[2], v[3], 0x7362);
+      col[h][0] = __byte_perm(lo01, lo23, 0x5410);
+      col[h][1] = __byte_perm(lo01, lo23, 0x7632);
+      col[h][2] = __byte_perm(hi01, hi23, 0x5410);
+      col[h][3] = __byte_perm(hi01, hi23, 0x7632);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      *reinterpret_cast<uint2*>(out_t + static_cast<size_t>(c0 + tc + j) * rows + r0 + tr) =
+          make_uint2(col[0][j], col[1][j]);
   }
 }
 
@@ -160,11 +170,27 @@ inline bool valid(const Fp8Out& o, int rows, int cols) {
          aligned8(o.out) && aligned8(o.out_t);
 }
 
-// The generic producer: src.load(r, c, x) computes the 8 values at row r, columns c..c+7;
-// with kColSums their column sums go to partial's row blockIdx.y.
+// Tensor z of a batched launch (fp8.h): first's pointers advanced by the strides.
+__device__ __forceinline__ Fp8Out batch_member(Fp8Out o, const Fp8Strides& s, size_t z) {
+  auto at = [z](auto* p, size_t stride) {
+    using T = decltype(p);
+    return p ? reinterpret_cast<T>(reinterpret_cast<uintptr_t>(p) + z * stride) : p;
+  };
+  o.scale = at(o.scale, s.meta);
+  o.amax = at(o.amax, s.meta);
+  o.out = at(o.out, s.out);
+  o.out_t = at(o.out_t, s.out_t);
+  o.stats = at(o.stats, s.stats);
+  return o;
+}
+
+// The generic producer: src.load(r, c, x) computes the 8 values at row r, columns c..c+7 (of
+// tensor blockIdx.z, for a source that batches); with kColSums their column sums go to
+// partial's row blockIdx.y.
 template <__nv_fp8_interpretation_t kKind, bool kColSums, class Source>
 __global__ void __launch_bounds__(kThreads)
-    tile_kernel(Source src, int rows, int cols, Fp8Out o, float* __restrict__ partial) {
+    tile_kernel(Source src, int rows, int cols, Fp8Out o, Fp8Strides strides, float* __restrict__ partial) {
+  if (gridDim.z > 1) o = batch_member(o, strides, blockIdx.z);
   __shared__ Tile tile;
   __shared__ BlockScratch scratch;
   __shared__ float sums[kColSums ? kThreads / 32 : 1][kTile];
@@ -172,16 +198,25 @@ __global__ void __launch_bounds__(kThreads)
   const bool row_major = q.write && o.out, transposed = q.write && o.out_t;
   const int r0 = blockIdx.y * kTile, c0 = blockIdx.x * kTile;
   float sum[kVec] = {};
-  for (int v = threadIdx.x; v < kVectors; v += kThreads) {
-    const int tr = vec_row(v), tc = vec_col(v), r = r0 + tr, c = c0 + tc;
-    if (r >= rows || c >= cols) continue;  // cols % 8 == 0: a vector is all in or all out
-    float x[kVec];
-    src.load(r, c, x);
+  // Both of a thread's vectors are loaded before either is stored: two loads in flight.
+  constexpr int kPerThread = kVectors / kThreads;
+  float x[kPerThread][kVec];
+  bool in[kPerThread];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int v = threadIdx.x + k * kThreads, r = r0 + vec_row(v), c = c0 + vec_col(v);
+    in[k] = r < rows && c < cols;  // cols % 8 == 0: a vector is all in or all out
+    if (in[k]) src.load(r, c, x[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    if (!in[k]) continue;
+    const int v = threadIdx.x + k * kThreads, tr = vec_row(v), tc = vec_col(v), r = r0 + tr, c = c0 + tc;
     if (kColSums) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) sum[j] += x[j];
+      for (int j = 0; j < kVec; ++j) sum[j] += x[k][j];
     }
-    const uint2 codes = q.pack8(x);
+    const uint2 codes = q.pack8(x[k]);
     if (row_major) *reinterpret_cast<uint2*>(o.out + static_cast<size_t>(r) * cols + c) = codes;
     if (transposed) *reinterpret_cast<uint2*>(&tile.code[tr][tc]) = codes;
   }
@@ -196,14 +231,16 @@ __global__ void __launch_bounds__(kThreads)
 inline int tile_rows(int rows) { return (rows + kTile - 1) / kTile; }
 
 template <class Source>
-void launch_tile(const Source& src, int rows, int cols, const Fp8Out& o, float* partial, cudaStream_t stream) {
-  const dim3 g = grid(rows, cols);
+void launch_tile(const Source& src, int rows, int cols, const Fp8Out& o, float* partial, cudaStream_t stream,
+                 int count = 1, const Fp8Strides& strides = {}) {
+  dim3 g = grid(rows, cols);
+  g.z = count;
   if (o.kind == Fp8Kind::E4M3) {
-    if (partial) tile_kernel<__NV_E4M3, true><<<g, kThreads, 0, stream>>>(src, rows, cols, o, partial);
-    else tile_kernel<__NV_E4M3, false><<<g, kThreads, 0, stream>>>(src, rows, cols, o, partial);
+    if (partial) tile_kernel<__NV_E4M3, true><<<g, kThreads, 0, stream>>>(src, rows, cols, o, strides, partial);
+    else tile_kernel<__NV_E4M3, false><<<g, kThreads, 0, stream>>>(src, rows, cols, o, strides, partial);
   } else {
-    if (partial) tile_kernel<__NV_E5M2, true><<<g, kThreads, 0, stream>>>(src, rows, cols, o, partial);
-    else tile_kernel<__NV_E5M2, false><<<g, kThreads, 0, stream>>>(src, rows, cols, o, partial);
+    if (partial) tile_kernel<__NV_E5M2, true><<<g, kThreads, 0, stream>>>(src, rows, cols, o, strides, partial);
+    else tile_kernel<__NV_E5M2, false><<<g, kThreads, 0, stream>>>(src, rows, cols, o, strides, partial);
   }
 }
 }  // namespace fp8tile

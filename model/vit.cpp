@@ -221,12 +221,30 @@ void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {
   NvtxRange range("fp8 weight casts");
   OpTimer untimed(false);
   auto t = (timer ? *timer : untimed).op(OpKind::Fp8Cast, st);
-  for (int l = 0; l < cfg_.depth; ++l)
-    for (int lin = 0; lin < 4; ++lin) {
+  for (int lin = 0; lin < 4; ++lin) {
+    // Delayed: one launch casts this layer's weights in every block (the blocks' tensors sit at
+    // one stride from each other in every buffer); current needs each tensor's amax first.
+    const Linear &L0 = linears_[0][lin], &L1 = linears_[std::min(1, cfg_.depth - 1)][lin];
+    const size_t in_stride = pb(L1.w) - pb(L0.w), out_stride = L1.w8 - L0.w8, out_t_stride = L1.w8t - L0.w8t;
+    bool uniform = fp8_recording_ && !fp8_.current;
+    for (int l = 0; l < cfg_.depth && uniform; ++l) {
+      const Linear& L = linears_[l][lin];
+      uniform = size_t(pb(L.w) - pb(L0.w)) == l * in_stride && size_t(L.w8 - L0.w8) == l * out_stride &&
+                size_t(L.w8t - L0.w8t) == l * out_t_stride;
+    }
+    if (uniform) {
+      Fp8Meta* m = meta(0, Lin(lin), kWeight);
+      const Fp8Strides strides{out_stride, out_t_stride, 12 * sizeof(Fp8Meta), 12 * 3 * sizeof(unsigned long long)};
+      cast_to_fp8_batched(pb(L0.w), in_stride, L0.n, L0.k,
+                          Fp8Out{Fp8Kind::E4M3, &m->scale, L0.w8, L0.w8t, &m->amax, stats(m)}, strides, cfg_.depth, st);
+      continue;
+    }
+    for (int l = 0; l < cfg_.depth; ++l) {
       const Linear& L = linears_[l][lin];
       produce_fp8(meta(l, Lin(lin), kWeight), Fp8Kind::E4M3, L.w8, L.w8t, st,
                   [&](const Fp8Out& o) { cast_to_fp8(pb(L.w), L.n, L.k, o, st); });
     }
+  }
 }
 
 void ViT::set_fp8_counting(bool on, cudaStream_t st) {

@@ -4,6 +4,7 @@
 // the float64 truth; the backward's recomputes against the forward's codes, bit for bit.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -182,4 +183,39 @@ TEST_CASE("gpu: FP8 LayerNorm forward, and its recompute from the saved statisti
                         mean.get(), rstd.get(), M, D, 1e-6f, 0);
   CHECK(std::fabs(amax.download()[0] - amax_of(y_ref)) <= 1e-5 * amax_of(y_ref));
   for (uint8_t c : y8.download()) REQUIRE(c == 0xFF);
+}
+
+TEST_CASE("gpu: FP8 batched cast equals one cast a tensor, with each tensor's own scale and amax") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const int rows = 72, cols = 136, count = 3;
+  const size_t n = static_cast<size_t>(rows) * cols, in_stride = n + 64, out_stride = n + 256;
+  struct Meta {  // scale and amax in one record, as in Fp8Meta
+    float scale, amax, pad[2];
+  };
+  auto x = round_bf16(random_vec(rng, in_stride * count, -3, 3));
+  std::vector<Meta> metas(count);
+  for (int z = 0; z < count; ++z) metas[z] = {10.0f * (z + 1), 0.0f, {0, 0}};
+  DeviceBuffer<bf16> in(to_bf16(x));
+  DeviceBuffer<Meta> dm(metas);
+  DeviceBuffer<uint8_t> out(out_stride * count), out_t(out_stride * count), want(n), want_t(n);
+  DeviceBuffer<unsigned long long> stats(std::vector<unsigned long long>(3 * count, 0));
+  cast_to_fp8_batched(in.get(), in_stride, rows, cols,
+                      Fp8Out{Fp8Kind::E4M3, &dm.get()->scale, out.get(), out_t.get(), &dm.get()->amax, stats.get()},
+                      Fp8Strides{out_stride, out_stride, sizeof(Meta), 3 * sizeof(unsigned long long)}, count, 0);
+  const auto o = out.download(), ot = out_t.download();
+  const auto m = dm.download();
+  const auto st = stats.download();
+  for (int z = 0; z < count; ++z) {
+    CAPTURE(z);
+    DeviceBuffer<float> s(std::vector<float>{metas[z].scale}), amax(std::vector<float>{0.0f});
+    cast_to_fp8(in.get() + z * in_stride, rows, cols, Fp8Out{Fp8Kind::E4M3, s.get(), want.get(), want_t.get(), amax.get()},
+                0);
+    const auto w = want.download(), wt = want_t.download();
+    CHECK(std::equal(w.begin(), w.end(), o.begin() + z * out_stride));
+    CHECK(std::equal(wt.begin(), wt.end(), ot.begin() + z * out_stride));
+    CHECK(m[z].amax == amax.download()[0]);
+    CHECK(m[z].scale == metas[z].scale);
+    CHECK(st[3 * z + 2] == n);
+  }
 }
