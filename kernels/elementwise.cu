@@ -83,24 +83,23 @@ struct GeluSource {
   }
 };
 
-// FP8 backward over a 64 x 64 tile (fp8_tile.cuh): dh = da * gelu'(h) to FP8 E5M2, both copies
+// FP8 backward over a 64 x 128 tile (fp8_tile.cuh): dh = da * gelu'(h) to FP8 E5M2, both copies
 // (fc1's output gradient), with its column sums (fc1's bias gradient); and a = gelu(h)
 // recomputed to FP8 E4M3, transposed (fc2's input for its weight gradient: the forward kept
 // none). a is computed as in GeluSource, so with the forward's scale it gets the same codes.
-__global__ void __launch_bounds__(fp8tile::kThreads)
+__global__ void __launch_bounds__(fp8tile::kThreads, 4)  // 64 registers: 4 blocks an SM, no spill
     gelu_backward_fp8_kernel(const bf16* __restrict__ da, const bf16* __restrict__ h, int rows, int cols,
                              Fp8Out dh_out, Fp8Out a_out, float* __restrict__ partial) {
   using namespace fp8tile;
   __shared__ Tile dh_tile, a_tile;
   __shared__ BlockScratch scratch;
-  __shared__ float sums[kThreads / 32][kTile];
+  __shared__ float sums[kThreads / 32][kTileCols];
   Quantizer<__NV_E5M2> qd(dh_out);
   Quantizer<__NV_E4M3> qa(a_out);
   const bool dh_row_major = qd.write && dh_out.out, dh_transposed = qd.write && dh_out.out_t;
   const bool a_transposed = qa.write && a_out.out_t;
-  const int r0 = blockIdx.y * kTile, c0 = blockIdx.x * kTile;
+  const int r0 = blockIdx.y * kTileRows, c0 = blockIdx.x * kTileCols;
   float sum[kVec] = {};
-  constexpr int kPerThread = kVectors / kThreads;
   Bf16x8 dav[kPerThread], hv[kPerThread];  // all loads in flight before any arithmetic
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {

@@ -1,8 +1,8 @@
-// Device side of the FP8 producers (fp8.h): the quantiser with its statistics, and the 64 x 64
+// Device side of the FP8 producers (fp8.h): the quantiser with its statistics, and the 64 x 128
 // tile through which a producer writes both FP8 copies. A block of 256 threads owns a tile;
-// each thread computes 8 consecutive values of a row at a time (two such vectors), the row-major
-// copy leaves straight from registers in 8-byte words and the transposed copy through shared
-// memory, 8 bytes of a column per thread.
+// each thread computes 8 consecutive values of a row at a time (four such vectors, all loaded
+// before any is stored), the row-major copy leaves straight from registers in 8-byte words and
+// the transposed copy through shared memory, 8 bytes of a column per store.
 #pragma once
 #include <cuda_fp8.h>
 
@@ -10,8 +10,10 @@
 #include "kernels/fp8.h"
 
 namespace fp8tile {
-constexpr int kTile = 64, kThreads = 256, kVec = 8;
-constexpr int kVectors = kTile * kTile / kVec;  // 512: two per thread
+constexpr int kTileRows = 64, kTileCols = 128, kThreads = 256, kVec = 8;
+constexpr int kRowVectors = kTileCols / kVec;              // 16 vectors a tile row
+constexpr int kVectors = kTileRows * kRowVectors;          // 1024
+constexpr int kPerThread = kVectors / kThreads;            // 4, all at the same 8 columns
 
 // One thread's side of a producer's FP8 output: the codes, and the amax and statistics so far.
 // The amax is kept as the maximum of |v|'s bit patterns: non-negative floats order like their
@@ -99,19 +101,19 @@ __device__ void block_record(const Q& q, const Fp8Out& o, BlockScratch& s) {
 // A tile's codes in shared memory, for the transposed copy (rows padded: no bank conflicts on
 // the column reads).
 struct Tile {
-  uint8_t code[kTile][kTile + 8];
+  uint8_t code[kTileRows][kTileCols + 8];
 };
 
 // Vector v (0..511) of the tile: its row and first column (row-major order).
-__device__ __forceinline__ int vec_row(int v) { return v / (kTile / kVec); }
-__device__ __forceinline__ int vec_col(int v) { return (v % (kTile / kVec)) * kVec; }
+__device__ __forceinline__ int vec_row(int v) { return v / kRowVectors; }
+__device__ __forceinline__ int vec_col(int v) { return (v % kRowVectors) * kVec; }
 
 // Writes the tile's codes, held in t, transposed into out_t [cols, rows] (after a __syncthreads).
 // A thread takes 8 rows x 4 columns: eight 4-byte shared loads, byte permutes, four 8-byte
 // stores (threads of a warp step along rows first: 64 contiguous bytes of each column).
 __device__ __forceinline__ void store_transposed(const Tile& t, uint8_t* out_t, int r0, int c0, int rows,
                                                  int cols) {
-  constexpr int kRowGroups = kTile / 8, kColGroups = kTile / 4;
+  constexpr int kRowGroups = kTileRows / 8, kColGroups = kTileCols / 4;
   for (int item = threadIdx.x; item < kRowGroups * kColGroups; item += blockDim.x) {
     const int tr = (item % kRowGroups) * 8, tc = (item / kRowGroups) * 4;
     if (r0 + tr >= rows || c0 + tc >= cols) continue;  // rows % 8, cols % 8 == 0: all in or all out
@@ -137,24 +139,20 @@ __device__ __forceinline__ void store_transposed(const Tile& t, uint8_t* out_t, 
 }
 
 // Column sums of a tile's values (a bias gradient's partial row): sum[8] is this thread's over
-// its vectors, all at the same 8 columns (256 threads step over 8 vectors a row). Lanes l, l^8,
-// l^16, l^24 share columns; then the 8 warps meet in shared memory. Every thread calls it.
-__device__ inline void tile_column_sums(const float (&sum)[kVec], float (&s)[kThreads / 32][kTile], float* partial_row,
-                                 int c0, int cols) {
+// its vectors, all at the same 8 columns (256 threads step over 16 vectors a row). Lanes l and
+// l^16 share columns; then the 8 warps meet in shared memory. Every thread calls it.
+__device__ inline void tile_column_sums(const float (&sum)[kVec], float (&s)[kThreads / 32][kTileCols],
+                                        float* partial_row, int c0, int cols) {
   float v[kVec];
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    v[j] = sum[j];
-    v[j] += __shfl_xor_sync(0xffffffffu, v[j], 8);
-    v[j] += __shfl_xor_sync(0xffffffffu, v[j], 16);
-  }
+  for (int j = 0; j < kVec; ++j) v[j] = sum[j] + __shfl_xor_sync(0xffffffffu, sum[j], 16);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane < 8) {
+  if (lane < 16) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) s[warp][lane * kVec + j] = v[j];
   }
   __syncthreads();
-  if (threadIdx.x < kTile && c0 + threadIdx.x < cols) {
+  if (threadIdx.x < kTileCols && c0 + threadIdx.x < cols) {
     float t = 0.0f;
 #pragma unroll
     for (int w = 0; w < kThreads / 32; ++w) t += s[w][threadIdx.x];
@@ -162,11 +160,13 @@ __device__ inline void tile_column_sums(const float (&sum)[kVec], float (&s)[kTh
   }
 }
 
-inline dim3 grid(int rows, int cols) { return dim3((cols + kTile - 1) / kTile, (rows + kTile - 1) / kTile); }
+inline dim3 grid(int rows, int cols) {
+  return dim3((cols + kTileCols - 1) / kTileCols, (rows + kTileRows - 1) / kTileRows);
+}
 inline bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 // What every tiled producer needs of its output.
 inline bool valid(const Fp8Out& o, int rows, int cols) {
-  return rows > 0 && cols > 0 && rows % 8 == 0 && cols % 8 == 0 && (rows + kTile - 1) / kTile <= 65535 &&
+  return rows > 0 && cols > 0 && rows % 8 == 0 && cols % 8 == 0 && (rows + kTileRows - 1) / kTileRows <= 65535 &&
          aligned8(o.out) && aligned8(o.out_t);
 }
 
@@ -193,13 +193,11 @@ __global__ void __launch_bounds__(kThreads)
   if (gridDim.z > 1) o = batch_member(o, strides, blockIdx.z);
   __shared__ Tile tile;
   __shared__ BlockScratch scratch;
-  __shared__ float sums[kColSums ? kThreads / 32 : 1][kTile];
+  __shared__ float sums[kColSums ? kThreads / 32 : 1][kTileCols];
   Quantizer<kKind> q(o);
   const bool row_major = q.write && o.out, transposed = q.write && o.out_t;
-  const int r0 = blockIdx.y * kTile, c0 = blockIdx.x * kTile;
+  const int r0 = blockIdx.y * kTileRows, c0 = blockIdx.x * kTileCols;
   float sum[kVec] = {};
-  // Both of a thread's vectors are loaded before either is stored: two loads in flight.
-  constexpr int kPerThread = kVectors / kThreads;
   float x[kPerThread][kVec];
   bool in[kPerThread];
 #pragma unroll
@@ -228,7 +226,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Rows of partial a tiled producer with column sums fills.
-inline int tile_rows(int rows) { return (rows + kTile - 1) / kTile; }
+inline int tile_rows(int rows) { return (rows + kTileRows - 1) / kTileRows; }
 
 template <class Source>
 void launch_tile(const Source& src, int rows, int cols, const Fp8Out& o, float* partial, cudaStream_t stream,

@@ -32,8 +32,9 @@ __device__ __forceinline__ float ln_value(float x, float mean, float rstd, float
 }
 
 // The output goes to bf16 y, or (kFp8) to FP8 E4M3 through o: the GEMM's row-major operand.
+// FP8: four blocks an SM (64 registers, no spill) keep more rows in flight.
 template <int CHUNKS, bool kFp8>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, kFp8 ? 4 : 1)
     layernorm_forward_kernel(const float* __restrict__ x, int x_row_stride, const float* __restrict__ w,
                              const float* __restrict__ b, bf16* __restrict__ y, Fp8Out o,
                              float* __restrict__ mean_out, float* __restrict__ rstd_out, int M, int D, float eps) {
