@@ -10,7 +10,7 @@ BUILD   ?= build
 INCLUDES  := -I. -I$(CUDA)/include
 CXXFLAGS  := -std=c++17 -O2 -g -Wall -Wextra -Werror $(INCLUDES) -MMD -MP
 NVCCFLAGS := -std=c++17 -O3 -lineinfo $(ARCH) -Werror all-warnings -Xcompiler -Wall,-Wextra $(INCLUDES) -MMD -MP
-LDFLAGS   := $(ARCH) -L$(CUDA)/lib64 -lcublasLt -lz -Xlinker -rpath,$(CUDA)/lib64
+LDFLAGS   := $(ARCH) -L$(CUDA)/lib64 -lcublasLt -lnccl -lz -lpthread -Xlinker -rpath,$(CUDA)/lib64
 TEST_INCLUDES := -I/usr/include/eigen3
 
 KERNELS := $(wildcard kernels/*.cu)

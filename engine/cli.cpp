@@ -40,7 +40,11 @@ std::string usage() {
              "usage: vit_train [options]\n"
              "Trains a Vision Transformer (timm parity) on the GPU; by default ViT-Huge/16, batch 64, bf16.\n\n"
              "run:\n"
-             "  --gpus N               GPUs to train on (default 1; data-parallel training is not built yet)\n"
+             "  --gpus N               GPUs of this machine to train on, one worker thread each (default 1); the\n"
+             "                         global batch is N x --batch (x the processes of a launcher's job)\n"
+             "  --bucket-mb N          gradient all-reduce bucket size in MB (default 25)\n"
+             "  --reduce-dtype D       fp32 (default) or bf16: the dtype the gradients are averaged in\n"
+             "  --comm-timeout S       a data-parallel run stops if no step finishes for S seconds (default 300)\n"
              "  --precision P          bf16 (default) or fp8 (the blocks' Linear layers in FP8, all three GEMMs)\n"
              "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
              "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
@@ -92,6 +96,12 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   const std::map<std::string, Setter> valued = {
       {"--model", [](const std::string&, const std::string&) {}},
       {"--gpus", [&](const std::string& f, const std::string& v) { o.gpus = parse_int(f, v, 1, 1024); }},
+      {"--bucket-mb", [&](const std::string& f, const std::string& v) { o.bucket_mb = parse_int(f, v, 1, 1 << 16); }},
+      {"--reduce-dtype", [&](const std::string& f, const std::string& v) {
+         if (v != "fp32" && v != "bf16") bad("unknown " + f + " '" + v + "'; choose fp32 or bf16");
+         o.reduce_dtype = v;
+       }},
+      {"--comm-timeout", [&](const std::string& f, const std::string& v) { o.comm_timeout = parse_int(f, v, 5, 1 << 20); }},
       {"--precision", [&](const std::string&, const std::string& v) {
          if (v != "bf16" && v != "fp8") bad("unknown precision '" + v + "'; choose bf16 or fp8");
          o.precision = v;
@@ -197,6 +207,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       (o.data != "synthetic" || o.lr_schedule != "constant" || o.warmup_steps > 0 || o.precision != "bf16"))
     bad("--dump-reference replays the synthetic data at a constant learning rate in timm's bf16 autocast: it takes "
         "neither --data, --lr-schedule cosine, --warmup-steps nor --precision fp8");
+  if (!o.dump_reference.empty() && o.gpus > 1) bad("--dump-reference runs on one GPU (--gpus 1)");
   if (o.epochs == 0) set_total_steps(o, o.steps);
   return o;
 }

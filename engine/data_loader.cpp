@@ -7,9 +7,11 @@
 #include "engine/nvtx.h"
 #include "kernels/data.h"
 
-DataLoader::DataLoader(const ImageSet& set, int batch, float mean, float std, bool shuffle, uint64_t seed)
-    : set_(set), batch_(batch), pixels_(set.rows * set.cols), mean_(mean), std_(std), shuffle_(shuffle), seed_(seed) {
-  batches_ = shuffle ? set.count / batch : (set.count + batch - 1) / batch;
+DataLoader::DataLoader(const ImageSet& set, int batch, float mean, float std, bool shuffle, uint64_t seed, int rank,
+                       int world)
+    : set_(set), batch_(batch), pixels_(set.rows * set.cols), rank_(rank), world_(world), mean_(mean), std_(std),
+      shuffle_(shuffle), seed_(seed) {
+  batches_ = shuffle ? set.count / (batch * world) : (set.count + batch - 1) / batch;
   for (int s = 0; s < kSlots; ++s) {
     CUDA_CHECK(cudaMallocHost(&staged_pixels_[s], static_cast<size_t>(batch) * pixels_));
     CUDA_CHECK(cudaMallocHost(&staged_labels_[s], static_cast<size_t>(batch) * sizeof(int)));
@@ -38,7 +40,7 @@ int DataLoader::load(int epoch, int index, float* images, int* labels, cudaStrea
   const int s = next_slot_;
   next_slot_ = (next_slot_ + 1) % kSlots;
   CUDA_CHECK(cudaEventSynchronize(copied_[s]));  // the copy that last read this slot (kSlots steps ago)
-  const int first = index * batch_, real = std::min(batch_, set_.count - first);
+  const int first = (shuffle_ ? index * world_ + rank_ : index) * batch_, real = std::min(batch_, set_.count - first);
   for (int b = 0; b < batch_; ++b) {
     const int i = b < real ? (shuffle_ ? order_[first + b] : first + b) : (shuffle_ ? order_[first + real - 1] : first + real - 1);
     std::memcpy(staged_pixels_[s] + static_cast<size_t>(b) * pixels_, set_.pixels.data() + static_cast<size_t>(i) * pixels_,

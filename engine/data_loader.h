@@ -11,9 +11,12 @@
 
 class DataLoader {
  public:
-  // shuffle: a fresh permutation every epoch (training; the last partial batch is dropped);
-  // otherwise the split in order (evaluation; the last batch is padded).
-  DataLoader(const ImageSet& set, int batch, float mean, float std, bool shuffle, uint64_t seed);
+  // shuffle: a fresh permutation every epoch (training; the last partial global batch is
+  // dropped); rank r of `world` takes slice r of each global batch of world x batch images, so
+  // its batch index i is global batch i. Otherwise the split in order (evaluation; the last
+  // batch is padded; the caller spreads the batch indices over the ranks).
+  DataLoader(const ImageSet& set, int batch, float mean, float std, bool shuffle, uint64_t seed, int rank = 0,
+             int world = 1);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -26,7 +29,7 @@ class DataLoader {
  private:
   static constexpr int kSlots = 3;
   const ImageSet& set_;
-  int batch_, batches_, pixels_;
+  int batch_, batches_, pixels_, rank_, world_;
   float mean_, std_;
   bool shuffle_;
   uint64_t seed_;

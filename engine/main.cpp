@@ -1,12 +1,15 @@
 // vit_train: parse the command line, train, and turn every failure into one clear message and
 // an exit code (2: usage, 1: run time).
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
 #include <vector>
 
 #include "engine/check.h"
 #include "engine/cli.h"
+#include "engine/data_parallel.h"
+#include "engine/distributed.h"
 #include "engine/reference_dump.h"
 #include "engine/trainer.h"
 
@@ -16,6 +19,11 @@ int main(int argc, char** argv) {
     if (opts.help) {
       std::printf("%s", usage().c_str());
       return 0;
+    }
+    const ProcessGroup group = process_group_from_env([](const char* name) { return std::getenv(name); });
+    if (group.size > 1 || opts.gpus > 1) {
+      if (!opts.dump_reference.empty()) throw UsageError("--dump-reference runs on one GPU in one process");
+      return run_data_parallel(opts, group);
     }
     Trainer trainer(opts);
     if (opts.dump_reference.empty())

@@ -9,7 +9,9 @@
 #include <string>
 #include <vector>
 
-enum class OpKind { Gemm, Fp8Cast, BiasGrad, Attention, LayerNorm, Gelu, Embed, Loss, Optimizer, Data, Count };
+// CommWait: the compute stream waiting for the gradient all-reduce (the part not hidden behind
+// the backward) and for the FP8 amax reduce.
+enum class OpKind { Gemm, Fp8Cast, BiasGrad, Attention, LayerNorm, Gelu, Embed, Loss, Optimizer, Data, CommWait, Count };
 enum class Phase { Forward, Backward, Optimizer, Count };
 
 class OpTimer {
@@ -38,6 +40,7 @@ class OpTimer {
   void finish_step(bool count_it);
   // Table of mean ms per step by op kind and by phase over the counted steps.
   std::string report() const;
+  double mean_ms(OpKind k) const { return steps_ ? op_ms_[static_cast<int>(k)] / steps_ : 0.0; }
 
  private:
   friend class Scope;

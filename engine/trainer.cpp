@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "kernels/data.h"
 #include "kernels/optimizer.h"
 #include "kernels/random.h"
+#include "kernels/reduce.h"
 
 namespace {
 constexpr size_t kGemmWorkspace = 32u << 20;  // what cuBLASLt asks for on Hopper
@@ -47,7 +49,7 @@ double known_peak_tflops(const cudaDeviceProp& props) {
   return 0;
 }
 
-Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
+Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx_(ctx) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0) {
@@ -55,14 +57,11 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
     throw RuntimeError(std::string("no CUDA GPU is available (") +
                        (e != cudaSuccess ? cudaGetErrorString(e) : "no device found") + ")");
   }
-  if (opts_.gpus > count)
-    throw UsageError("--gpus " + std::to_string(opts_.gpus) + " asks for more GPUs than the " + std::to_string(count) +
-                     " present");
-  if (opts_.gpus > 1)
-    throw UsageError("--gpus " + std::to_string(opts_.gpus) +
-                     ": data-parallel training is not built yet; this version trains on one GPU (--gpus 1)");
-  CUDA_CHECK(cudaSetDevice(0));
-  CUDA_CHECK(cudaGetDeviceProperties(&props_, 0));
+  if (ctx_.device >= count)
+    throw UsageError("rank " + std::to_string(ctx_.rank) + " needs device " + std::to_string(ctx_.device) +
+                     " but this machine has " + std::to_string(count) + " GPU(s)");
+  CUDA_CHECK(cudaSetDevice(ctx_.device));
+  CUDA_CHECK(cudaGetDeviceProperties(&props_, ctx_.device));
   if (props_.major != 9 || props_.minor != 0)
     throw RuntimeError(std::string(props_.name) + " has compute capability " + std::to_string(props_.major) + "." +
                        std::to_string(props_.minor) + "; this engine is built for Hopper (sm_90a) and needs it");
@@ -82,11 +81,11 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
   fp8.margin = opts_.fp8_margin;
   if (opts_.data == "fashion-mnist") {
     dataset_ = std::make_unique<FashionMnist>(opts_.data_dir);
-    if (opts_.batch > dataset_->train.count)
-      throw UsageError("--batch " + std::to_string(opts_.batch) + " is larger than the " +
-                       std::to_string(dataset_->train.count) + " training images");
+    if (int64_t(opts_.batch) * ctx_.world > dataset_->train.count)
+      throw UsageError("the global batch (" + std::to_string(ctx_.world) + " x " + std::to_string(opts_.batch) +
+                       ") is larger than the " + std::to_string(dataset_->train.count) + " training images");
     if (opts_.epochs > 0) {
-      const int64_t steps = int64_t(opts_.epochs) * (dataset_->train.count / opts_.batch);
+      const int64_t steps = int64_t(opts_.epochs) * (dataset_->train.count / (int64_t(opts_.batch) * ctx_.world));
       if (steps > (1 << 30)) throw UsageError("--epochs " + std::to_string(opts_.epochs) + " makes more than 2^30 steps");
       set_total_steps(opts_, static_cast<int>(steps));
     }
@@ -98,7 +97,9 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
 
   // Everything the run needs, checked against free memory before anything is allocated.
   gemm_workspace_ = kGemmWorkspace;
-  const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspace_;
+  const ReduceDType reduce_dtype = opts_.reduce_dtype == "bf16" ? ReduceDType::BF16 : ReduceDType::F32;
+  const size_t staging = ctx_.comm ? GradSync::staging_elements(ParamLayout(cfg).total(), reduce_dtype) : 0;
+  const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspace_ + staging * sizeof(__nv_bfloat16);
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   const size_t usable = free_b - std::min(free_b, size_t(512) << 20);  // room for the CUDA libraries
@@ -120,9 +121,20 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
   timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth);  // ~16 scopes a block, ~31 in fp8
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaMalloc(&scalar_, sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&checksums_, ctx_.world * sizeof(unsigned long long)));
+  if (ctx_.comm) {
+    if (staging) CUDA_CHECK(cudaMalloc(&reduce_staging_, staging * sizeof(__nv_bfloat16)));
+    const size_t bucket_floats = std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float));
+    sync_ = std::make_unique<GradSync>(*ctx_.comm, model_->grads(), model_->layout().total(), bucket_floats,
+                                       reduce_dtype, reduce_staging_, stream_);
+    if (opts_.timing) sync_->enable_timing();
+    Comm* comm = ctx_.comm;
+    model_->set_amax_reducer([comm](float* data, int n, cudaStream_t s) { comm->all_reduce(data, n, ncclFloat32, ncclMax, s, s); });
+  }
   if (dataset_) {
     train_loader_ = std::make_unique<DataLoader>(dataset_->train, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
-                                                 true, opts_.seed);
+                                                 true, opts_.seed, ctx_.rank, ctx_.world);
     test_loader_ = std::make_unique<DataLoader>(dataset_->test, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
                                                 false, opts_.seed);
     CUDA_CHECK(cudaMalloc(&loss_sum_, sizeof(float)));
@@ -139,18 +151,25 @@ Trainer::Trainer(const TrainOptions& opts) : opts_(opts) {
 void Trainer::prepare() {
   load_batch(0);
   if (!model_->prime_fp8_scales(stream_, *gemm_, *timer_))  // fp8 delayed: the priming pass is that pass
-    forward_backward();
+    forward_backward(false);
   model_->reset_fp8_counters(stream_);  // the start-up pass is not a training step
   timer_->finish_step(false);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void Trainer::end_step(int step) { timer_->finish_step(step >= opts_.warmup); }
+void Trainer::end_step(int step) {
+  timer_->finish_step(step >= opts_.warmup);
+  if (sync_ && opts_.timing && step >= opts_.warmup) sync_->collect();
+}
 
 Trainer::~Trainer() {
   if (stream_) cudaStreamSynchronize(stream_);
+  sync_.reset();
   cudaFree(loss_sum_);
   cudaFree(correct_);
+  cudaFree(scalar_);
+  cudaFree(checksums_);
+  cudaFree(reduce_staging_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -180,8 +199,13 @@ void Trainer::print_summary() const {
                 opts_.data_dir.c_str(), dataset_->train.count, train_loader_->batches_per_epoch(), dataset_->test.count);
   else
     std::printf("  data        synthetic: N(0, 1) images, label = sample index %% classes, made on the GPU\n");
-  std::printf("  training    batch %d, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",
-              opts_.batch, opts_.steps, opts_.warmup, schedule_.describe().c_str(), opts_.momentum, opts_.weight_decay,
+  if (ctx_.world > 1)
+    std::printf("  parallel    %d ranks (%s), global batch %d; gradients averaged in %s over NCCL, %d buckets of %d MB\n"
+                "              on a communication stream, overlapping the backward\n",
+                ctx_.world, ctx_.layout.c_str(), ctx_.world * opts_.batch, opts_.reduce_dtype.c_str(), sync_->buckets(),
+                opts_.bucket_mb);
+  std::printf("  training    batch %d%s, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",
+              opts_.batch, ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, schedule_.describe().c_str(), opts_.momentum, opts_.weight_decay,
               opts_.nesterov ? " nesterov" : "", static_cast<unsigned long long>(opts_.seed));
   std::printf("  model FLOPs %.1f GFLOP per image per training step\n", cfg.train_flops_per_image() / 1e9);
   std::printf("  memory      (allocated once, at start-up)\n");
@@ -205,16 +229,51 @@ void Trainer::load_batch(int step) {
   NvtxRange range("synthetic batch");
   const ViTConfig& cfg = opts_.model;
   const size_t n = static_cast<size_t>(opts_.batch) * cfg.channels * cfg.img * cfg.img;
-  // The seed's synthetic data: N(0, 1) images, label = global sample index % classes.
-  fill_normal(model_->images(), n, opts_.seed, kDataStream + step, 0.0f, 1.0f, -INFINITY, INFINITY, stream_);
-  fill_labels(model_->labels(), opts_.batch, static_cast<int64_t>(step) * opts_.batch, cfg.classes, stream_);
+  // The seed's synthetic data: N(0, 1) images, label = global sample index % classes. A rank
+  // draws its slice of the global batch, so N ranks x B see what one GPU x N B would.
+  fill_normal(model_->images(), n, opts_.seed, kDataStream + step, 0.0f, 1.0f, -INFINITY, INFINITY, stream_,
+              ctx_.rank * n);
+  fill_labels(model_->labels(), opts_.batch, (static_cast<int64_t>(step) * ctx_.world + ctx_.rank) * opts_.batch,
+              cfg.classes, stream_);
 }
 
-void Trainer::forward_backward() {
+void Trainer::forward_backward(bool sync_gradients) {
   model_->begin_fp8_step(stream_);
   model_->forward(stream_, *gemm_, *timer_);
-  model_->backward(stream_, *gemm_, *timer_);
+  if (sync_ && sync_gradients) {
+    sync_->begin_step();
+    model_->backward(stream_, *gemm_, *timer_, [this](size_t offset) { sync_->ready_from(offset); });
+    auto t = timer_->op(OpKind::CommWait, stream_);
+    sync_->finish();
+  } else {
+    model_->backward(stream_, *gemm_, *timer_);
+  }
   model_->end_fp8_step(stream_);
+}
+
+float Trainer::mean_over_ranks(const float* device_value) {
+  float host = 0;
+  if (ctx_.comm) {
+    CUDA_CHECK(cudaMemcpyAsync(scalar_, device_value, sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    ctx_.comm->all_reduce(scalar_, 1, ncclFloat32, ncclAvg, stream_, stream_);
+    device_value = scalar_;
+  }
+  CUDA_CHECK(cudaMemcpyAsync(&host, device_value, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return host;
+}
+
+std::vector<unsigned long long> Trainer::weight_checksums() {
+  checksum(model_->params(), model_->layout().total(), checksums_ + ctx_.rank, stream_);
+  if (ctx_.comm) {
+    ctx_.comm->order(stream_, ctx_.comm->stream());
+    ctx_.comm->all_gather(checksums_ + ctx_.rank, checksums_, 1, ncclUint64);
+    ctx_.comm->order(ctx_.comm->stream(), stream_);
+  }
+  std::vector<unsigned long long> out(ctx_.world);
+  CUDA_CHECK(cudaMemcpyAsync(out.data(), checksums_, out.size() * sizeof(out[0]), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return out;
 }
 
 void Trainer::optimizer_step(int step) {
@@ -235,12 +294,13 @@ double Trainer::evaluate() {
   OpTimer untimed(false);
   model_->set_fp8_recording(false);
   CUDA_CHECK(cudaMemsetAsync(correct_, 0, sizeof(int), stream_));
-  for (int i = 0; i < test_loader_->batches_per_epoch(); ++i) {
+  for (int i = ctx_.rank; i < test_loader_->batches_per_epoch(); i += ctx_.world) {  // this rank's share
     const int real = test_loader_->load(0, i, model_->images(), model_->labels(), stream_);
     model_->forward(stream_, *gemm_, untimed);
     count_correct(model_->logits(), model_->logits_ld(), opts_.model.classes, model_->labels(), real, correct_, stream_);
   }
   model_->set_fp8_recording(true);
+  if (ctx_.comm) ctx_.comm->all_reduce(correct_, 1, ncclInt32, ncclSum, stream_, stream_);
   int correct = 0;
   CUDA_CHECK(cudaMemcpyAsync(&correct, correct_, sizeof(int), cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -257,28 +317,38 @@ void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epoc
   const bool eval_now = opts_.eval_every > 0 ? ((step + 1) % opts_.eval_every == 0 || last) : epoch_end;
   double train_loss = NAN, top1 = NAN;
   if (epoch_end) {
-    float sum = 0;
-    CUDA_CHECK(cudaMemcpyAsync(&sum, loss_sum_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    const float sum = mean_over_ranks(loss_sum_);  // each rank's sum of its batches' mean losses
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, sizeof(float), stream_));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
     train_loss = sum / steps_in_epoch;
   }
   if (eval_now) {
     top1 = evaluate();
-    std::printf("  eval after step %d (epoch %.2f): test top-1 %.2f%% of %d images, lr %.4g\n", step + 1,
+    if (ctx_.logs()) std::printf("  eval after step %d (epoch %.2f): test top-1 %.2f%% of %d images, lr %.4g\n", step + 1,
                 (step + 1) / static_cast<double>(per_epoch), 100 * top1, dataset_->test.count, schedule_.at(step));
   }
   if (epoch_end) {
     epochs.push_back({step / per_epoch + 1, steps_in_epoch, train_loss, top1});
-    std::printf("  epoch %d done (%d steps): mean training loss %.4f\n", epochs.back().epoch, steps_in_epoch,
+    if (ctx_.logs()) std::printf("  epoch %d done (%d steps): mean training loss %.4f\n", epochs.back().epoch, steps_in_epoch,
                 train_loss);
   }
   std::fflush(stdout);
 }
 
+// A test aid: VIT_TRAIN_TEST_FAIL=RANK:STEP makes that rank fail at that step, so the tests can
+// check that the other ranks stop cleanly. Returns the step for this rank, or -1.
+static int injected_failure_step(int rank) {
+  const char* v = std::getenv("VIT_TRAIN_TEST_FAIL");
+  int r = -1, step = -1;
+  if (!v || std::sscanf(v, "%d:%d", &r, &step) != 2 || r != rank) return -1;
+  return step;
+}
+
 void Trainer::train() {
-  print_summary();
-  const double flops_per_step = opts_.model.train_flops_per_image() * opts_.batch;
+  const bool logs = ctx_.logs();
+  if (logs) print_summary();
+  const double flops_per_step = opts_.model.train_flops_per_image() * opts_.batch;  // per GPU
+  const int global_batch = opts_.batch * ctx_.world;
+  const int fail_at = injected_failure_step(ctx_.rank);
   const int window = std::min(opts_.log_every, opts_.steps);  // steps between two log points
   std::vector<cudaEvent_t> begin(window), end(window);
   for (int i = 0; i < window; ++i) {
@@ -287,12 +357,13 @@ void Trainer::train() {
   }
   std::vector<double> step_ms;  // every step's time, warm-up included
   std::vector<EpochResult> epochs;
-  float* loss_host = nullptr;
-  CUDA_CHECK(cudaMallocHost(&loss_host, sizeof(float)));
-  std::printf("\n%11s %10s %10s %10s %10s %7s\n", "step", "loss", "ms/step", "images/s", "TFLOP/s", "MFU");
+  if (logs)
+    std::printf("\n%11s %10s %10s %10s %10s %7s\n", "step", "loss", "ms/step", "images/s",
+                ctx_.world > 1 ? "TFLOP/s/GPU" : "TFLOP/s", "MFU");
 
   int window_start = 0, skipped_reported = 0;
   for (int step = 0; step < opts_.steps; ++step) {
+    if (step == fail_at) throw RuntimeError("failure injected by VIT_TRAIN_TEST_FAIL at step " + std::to_string(step));
     if (step == opts_.profile_first) CUDA_CHECK(cudaProfilerStart());
     const int slot = step - window_start;
     const bool last = step + 1 == opts_.steps, log_point = slot + 1 == opts_.log_every || last;
@@ -310,8 +381,8 @@ void Trainer::train() {
     if (step == opts_.profile_last) CUDA_CHECK(cudaProfilerStop());
 
     if (log_point) {  // the only host synchronisation of a plain run
-      CUDA_CHECK(cudaMemcpyAsync(loss_host, model_->loss(), sizeof(float), cudaMemcpyDeviceToHost, stream_));
-      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      const float loss = mean_over_ranks(model_->loss());  // the global batch's mean loss
+      if (ctx_.progress) ctx_.progress->store(step + 1);
       double window_ms = 0;
       for (int i = 0; i <= slot; ++i) {
         float ms = 0;
@@ -323,32 +394,34 @@ void Trainer::train() {
       const double tflops = flops_per_step / (ms * 1e-3) / 1e12;
       char mfu[16] = "-";
       if (peak_tflops_ > 0) std::snprintf(mfu, sizeof mfu, "%.1f%%", 100 * tflops / peak_tflops_);
-      std::printf("%5d/%-5d %10.4f %10.2f %10.1f %10.1f %7s%s\n", step + 1, opts_.steps, *loss_host, ms,
-                  opts_.batch / (ms * 1e-3), tflops, mfu, step < opts_.warmup ? "  (warm-up)" : "");
-      if (opts_.fp8_stats) std::printf("%s", model_->fp8_stats_table(stream_).c_str());
-      std::fflush(stdout);
+      if (logs) {
+        std::printf("%5d/%-5d %10.4f %10.2f %10.1f %10.1f %7s%s\n", step + 1, opts_.steps, loss, ms,
+                    global_batch / (ms * 1e-3), tflops, mfu, step < opts_.warmup ? "  (warm-up)" : "");
+        if (opts_.fp8_stats) std::printf("%s", model_->fp8_stats_table(stream_).c_str());
+        std::fflush(stdout);
+      }
       if (model_->precision() == Precision::FP8) {
         // The numerics guard: steps whose FP8 tensors saw a non-finite amax were skipped on the
-        // device; a whole window of them means training cannot go on.
+        // device (on every rank alike); a whole window of them means training cannot go on.
         int counters[2] = {0, 0};  // skipped steps, in a row
         CUDA_CHECK(cudaMemcpy(counters, model_->fp8_skipped_steps(), sizeof counters, cudaMemcpyDeviceToHost));
-        if (counters[0] > skipped_reported) {
+        if (counters[0] > skipped_reported && logs) {
           std::printf("  fp8: %d step(s) skipped for non-finite values so far (the offending tensors' scales "
                       "halved for the next step)\n", counters[0]);
-          skipped_reported = counters[0];
         }
+        skipped_reported = counters[0];
         if (counters[1] >= kMaxSkippedInARow)
           throw RuntimeError(std::to_string(counters[1]) +
                              " steps in a row saw non-finite values (loss or FP8 tensors) and were skipped; stopping");
-      } else if (!std::isfinite(*loss_host)) {
-        throw RuntimeError("the loss is not finite (" + std::to_string(*loss_host) + ") at step " +
+      } else if (!std::isfinite(loss)) {
+        throw RuntimeError("the loss is not finite (" + std::to_string(loss) + ") at step " +
                            std::to_string(step + 1) + "; stopping");
       }
       window_start = step + 1;
     }
     if (dataset_) record_epoch_and_evaluate(step, epochs);
   }
-  if (!epochs.empty()) {
+  if (!epochs.empty() && logs) {
     std::printf("\n%7s %7s %12s %12s\n", "epoch", "steps", "train loss", "test top-1");
     for (const EpochResult& e : epochs) {
       if (std::isnan(e.top1))
@@ -357,11 +430,24 @@ void Trainer::train() {
         std::printf("%7d %7d %12.4f %11.2f%%\n", e.epoch, e.steps, e.train_loss, 100 * e.top1);
     }
   }
-  CUDA_CHECK(cudaFreeHost(loss_host));
   for (int i = 0; i < window; ++i) {
     cudaEventDestroy(begin[i]);
     cudaEventDestroy(end[i]);
   }
+
+  // Every rank must hold the same weights: their checksums, gathered.
+  const std::vector<unsigned long long> sums = weight_checksums();
+  const bool same = std::all_of(sums.begin(), sums.end(), [&](unsigned long long c) { return c == sums[0]; });
+  if (!same) {
+    std::string list;
+    for (size_t r = 0; r < sums.size(); ++r) {
+      char b[48];
+      std::snprintf(b, sizeof b, "%s%zu: %016llx", r ? ", " : "", r, sums[r]);
+      list += b;
+    }
+    throw RuntimeError("the ranks hold different weights after the run (checksums " + list + ")");
+  }
+  if (!logs) return;
 
   const std::vector<double> timed(step_ms.begin() + opts_.warmup, step_ms.end());
   const double med = median(timed);
@@ -372,12 +458,21 @@ void Trainer::train() {
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   const double used_gib = gib(total_b - free_b);
   std::printf("%s", timer_->report().c_str());
+  if (sync_ && opts_.timing && !timed.empty()) {
+    const double busy = sync_->busy_ms() / timed.size(), exposed = timer_->mean_ms(OpKind::CommWait);
+    std::printf("  gradient all-reduce: %.3f ms/step on the communication stream, %.3f ms of it exposed (the compute "
+                "stream waiting): %.1f%% hidden behind the backward\n",
+                busy, exposed, busy > 0 ? 100.0 * std::max(0.0, busy - exposed) / busy : 0.0);
+  }
+  std::printf("\nweights: checksum %016llx%s\n", sums[0],
+              ctx_.world > 1 ? (", identical on all " + std::to_string(ctx_.world) + " ranks").c_str() : "");
   std::printf("\nsummary over %zu timed steps (after %d warm-up): median %.2f ms/step (mean %.2f), %.1f images/s, "
-              "%.1f TFLOP/s",
-              timed.size(), opts_.warmup, med, mean, opts_.batch / (med * 1e-3), tflops);
+              "%.1f TFLOP/s%s",
+              timed.size(), opts_.warmup, med, mean, global_batch / (med * 1e-3), tflops, ctx_.world > 1 ? " per GPU" : "");
   if (peak_tflops_ > 0) std::printf(", MFU %.1f%%", 100 * tflops / peak_tflops_);
-  std::printf("; device memory in use %.2f GiB\n", used_gib);
-  std::printf("RESULT engine step_ms=%.2f mean_ms=%.2f img_s=%.1f tflops=%.1f mfu=%.3f peak_mem_gib=%.2f\n", med, mean,
-              opts_.batch / (med * 1e-3), tflops, peak_tflops_ > 0 ? tflops / peak_tflops_ : 0.0, used_gib);
+  std::printf("; device memory in use %.2f GiB%s\n", used_gib, ctx_.world > 1 ? " (rank 0's GPU)" : "");
+  std::printf("RESULT engine step_ms=%.2f mean_ms=%.2f img_s=%.1f tflops=%.1f mfu=%.3f peak_mem_gib=%.2f ranks=%d\n", med,
+              mean, global_batch / (med * 1e-3), tflops, peak_tflops_ > 0 ? tflops / peak_tflops_ : 0.0, used_gib,
+              ctx_.world);
   std::fflush(stdout);
 }

@@ -1,13 +1,17 @@
 // The runtime of one training run on one GPU: device checks, memory, the model, the step and
-// the loop with its progress lines and summary.
+// the loop with its progress lines and summary. In a data-parallel run each worker (one GPU) has
+// its own Trainer; they meet in the gradient all-reduce, the FP8 amax reduce, and the reduced
+// losses and evaluations; rank 0 prints.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "engine/cli.h"
+#include "engine/comm.h"
 #include "engine/data_loader.h"
 #include "engine/dataset.h"
 #include "engine/gemm.h"
@@ -15,23 +19,35 @@
 #include "engine/timing.h"
 #include "model/vit.h"
 
+// A worker's place in a data-parallel run (the defaults: alone, on device 0).
+struct WorkerContext {
+  int rank = 0, world = 1, device = 0;
+  std::string layout;        // how the ranks are spread, for the start-up summary
+  Comm* comm = nullptr;      // null when alone
+  std::atomic<long>* progress = nullptr;  // steps finished, for the supervisor's timeout
+  bool logs() const { return rank == 0; }
+};
+
 class Trainer {
  public:
   // Checks the device and the options against it, sizes and allocates everything, initialises
   // the weights. Throws UsageError or RuntimeError with a message naming the problem.
-  explicit Trainer(const TrainOptions& opts);
+  explicit Trainer(const TrainOptions& opts, WorkerContext ctx = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
   // The whole run: progress lines, evaluations, the summary and the final RESULT line.
   void train();
-  // Top-1 accuracy on the dataset's test split, in the training precision.
+  // Top-1 accuracy on the dataset's test split, in the training precision (each rank takes a
+  // share of the batches; the counts are summed).
   double evaluate();
+  // The master weights' checksum, gathered from every rank (rank order).
+  std::vector<unsigned long long> weight_checksums();
 
   // One step's pieces, in order (also used by the reference dump).
   void load_batch(int step);        // the step's batch into model().images()/labels()
-  void forward_backward();
+  void forward_backward(bool sync_gradients = true);
   void optimizer_step(int step);
   void end_step(int step);          // --timing: collects the step's event times
 
@@ -44,10 +60,17 @@ class Trainer {
     double train_loss, top1;  // top1 NaN where no evaluation fell on the epoch's end
   };
   void print_summary() const;
+  // The mean over the ranks of a device scalar (itself when alone), read on the host.
+  float mean_over_ranks(const float* device_value);
   void prepare();
   void record_epoch_and_evaluate(int step, std::vector<EpochResult>& epochs);
 
   TrainOptions opts_;
+  WorkerContext ctx_;
+  std::unique_ptr<GradSync> sync_;
+  __nv_bfloat16* reduce_staging_ = nullptr;
+  float* scalar_ = nullptr;                   // device scratch for reduced scalars
+  unsigned long long* checksums_ = nullptr;   // device: [world]
   cudaDeviceProp props_{};
   double peak_tflops_ = 0;
   ModelArenas arenas_;

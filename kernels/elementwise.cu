@@ -140,6 +140,11 @@ __global__ void fill_kernel(float* __restrict__ out, size_t n, float value) {
     out[i] = value;
 }
 
+__global__ void cast_to_f32_kernel(const bf16* __restrict__ in, float* __restrict__ out, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __bfloat162float(in[i]);
+}
+
 __global__ void cast_to_bf16_kernel(const float* __restrict__ in, bf16* __restrict__ out, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16_rn(in[i]);
@@ -201,5 +206,11 @@ void fill_constant(float* out, size_t n, float value, cudaStream_t stream) {
 void cast_to_bf16(const float* in, bf16* out, size_t n, cudaStream_t stream) {
   if (n == 0) return;
   cast_to_bf16_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(in, out, n);
+  LAUNCH_CHECK();
+}
+
+void cast_to_f32(const bf16* in, float* out, size_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  cast_to_f32_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(in, out, n);
   LAUNCH_CHECK();
 }

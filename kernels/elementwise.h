@@ -28,3 +28,5 @@ void gelu_backward_fp8(const __nv_bfloat16* da, const __nv_bfloat16* h, int M, i
 void fill_constant(float* out, size_t n, float value, cudaStream_t stream);
 // out = bf16(in), any n.
 void cast_to_bf16(const float* in, __nv_bfloat16* out, size_t n, cudaStream_t stream);
+// out = float(in), any n.
+void cast_to_f32(const __nv_bfloat16* in, float* out, size_t n, cudaStream_t stream);

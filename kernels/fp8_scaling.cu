@@ -16,7 +16,29 @@ __global__ void tally_kernel(const float* loss, int* non_finite, int* counters) 
     counters[1] = 0;
   }
 }
+__global__ void gather_amax_kernel(const Fp8Meta* metas, int count, const int* non_finite, const float* loss,
+                                   float* out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < count) out[i] = isfinite(metas[i].amax) ? metas[i].amax : INFINITY;
+  if (i == count) out[i] = (*non_finite || !isfinite(*loss)) ? 1.0f : 0.0f;
+}
+__global__ void scatter_amax_kernel(const float* in, Fp8Meta* metas, int count, int* non_finite) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < count) metas[i].amax = in[i];
+  if (i == count) *non_finite = in[i] > 0.0f;
+}
 }  // namespace
+
+void fp8_gather_amax(const Fp8Meta* metas, int count, const int* non_finite, const float* loss, float* out,
+                     cudaStream_t stream) {
+  gather_amax_kernel<<<grid_for(count + 1, 128), 128, 0, stream>>>(metas, count, non_finite, loss, out);
+  LAUNCH_CHECK();
+}
+
+void fp8_scatter_amax(const float* in, Fp8Meta* metas, int count, int* non_finite, cudaStream_t stream) {
+  scatter_amax_kernel<<<grid_for(count + 1, 128), 128, 0, stream>>>(in, metas, count, non_finite);
+  LAUNCH_CHECK();
+}
 
 void fp8_tally_skip(const float* loss, int* non_finite, int* counters, cudaStream_t stream) {
   tally_kernel<<<1, 1, 0, stream>>>(loss, non_finite, counters);

@@ -55,3 +55,11 @@ void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, i
 // The numerics guard's bookkeeping at a step's end: a non-finite loss also marks the step;
 // counters[0] counts skipped steps, counters[1] the skipped steps in a row.
 void fp8_tally_skip(const float* loss, int* non_finite, int* counters, cudaStream_t stream);
+
+// Data parallel: the step's amaxes of count metas into out[0..count) (a non-finite one as
+// +infinity, so a maximum over ranks keeps it) and out[count] = 1 if this rank's step is bad (a
+// non-finite amax flagged or a non-finite loss), for an all-reduce (max); scatter puts the
+// reduced values back and sets *non_finite from the flag, so every rank skips the same steps.
+void fp8_gather_amax(const Fp8Meta* metas, int count, const int* non_finite, const float* loss, float* out,
+                     cudaStream_t stream);
+void fp8_scatter_amax(const float* in, Fp8Meta* metas, int count, int* non_finite, cudaStream_t stream);

@@ -18,11 +18,11 @@ __device__ __forceinline__ float uniform01(uint64_t key, uint64_t counter) {
 }
 
 __global__ void normal_kernel(float* __restrict__ out, size_t n, uint64_t key, float mean, float std, float lo,
-                              float hi) {
+                              float hi, size_t first) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     float v = mean;
     for (uint64_t attempt = 0; attempt < 64; ++attempt) {  // redraws are vanishingly rare for +-2 at 0.02
-      const uint64_t c = (i * 64 + attempt) * 2;
+      const uint64_t c = ((first + i) * 64 + attempt) * 2;
       const float u1 = uniform01(key, c), u2 = uniform01(key, c + 1);
       v = mean + std * sqrtf(-2.0f * __logf(u1)) * __cosf(6.283185307179586f * u2);
       if (v >= lo && v <= hi) break;
@@ -47,10 +47,11 @@ uint64_t make_key(uint64_t seed, uint64_t stream_id) {
 }  // namespace
 
 void fill_normal(float* out, size_t n, uint64_t seed, uint64_t stream_id, float mean, float std, float lo,
-                 float hi, cudaStream_t stream) {
+                 float hi, cudaStream_t stream, size_t first_index) {
   ENSURE(lo < hi, "fill_normal: empty truncation interval");
   if (n == 0) return;
-  normal_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), mean, std, lo, hi);
+  normal_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), mean, std,
+                                                                           lo, hi, first_index);
   LAUNCH_CHECK();
 }
 

@@ -6,9 +6,10 @@
 #include <cstddef>
 #include <cstdint>
 
-// out[i] = mean + std * N(0, 1), truncated to [lo, hi] by redrawing (lo < hi).
+// out[i] = mean + std * N(0, 1), truncated to [lo, hi] by redrawing (lo < hi): element
+// first_index + i of the stream's sequence (so a slice of a batch can be drawn on its own).
 void fill_normal(float* out, size_t n, uint64_t seed, uint64_t stream_id, float mean, float std,
-                 float lo, float hi, cudaStream_t stream);
+                 float lo, float hi, cudaStream_t stream, size_t first_index = 0);
 // out[i] uniform in [lo, hi).
 void fill_uniform(float* out, size_t n, uint64_t seed, uint64_t stream_id, float lo, float hi,
                   cudaStream_t stream);

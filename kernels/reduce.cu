@@ -71,3 +71,26 @@ void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream
   sum_rows_kernel<<<grid_for(N, 32), kSumWarps * 32, 0, stream>>>(partial, R, N, ld, out);
   LAUNCH_CHECK();
 }
+
+namespace {
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+__global__ void checksum_kernel(const float* __restrict__ x, size_t n, unsigned long long* out) {
+  unsigned long long h = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    h += mix64(__float_as_uint(x[i]) ^ mix64(i));
+  for (int o = 16; o > 0; o >>= 1) h += __shfl_xor_sync(0xffffffffu, h, o);
+  if (threadIdx.x % 32 == 0) atomicAdd(out, h);
+}
+}  // namespace
+
+void checksum(const float* x, size_t n, unsigned long long* out, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(unsigned long long), stream));
+  if (n == 0) return;
+  checksum_kernel<<<grid_stride_blocks(n, 256), 256, 0, stream>>>(x, n, out);
+  LAUNCH_CHECK();
+}

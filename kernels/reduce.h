@@ -12,3 +12,6 @@ void colsum(const __nv_bfloat16* x, int M, int N, int ld, float* out, float* par
 size_t colsum_partial_floats(int M, int N);
 // Stage two alone: out[N] = sum over rows of partial[R, N]; used by LayerNorm's weight gradients.
 void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream_t stream);
+// *out = a 64-bit hash of x's bit patterns and positions (order-independent sum of mixed
+// words: the same on any launch shape): equal weights on two ranks give equal checksums.
+void checksum(const float* x, size_t n, unsigned long long* out, cudaStream_t stream);

@@ -110,6 +110,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
     a.optimizer.add(&fp8_step_non_finite_, 1);
     a.optimizer.add(&fp8_skipped_, 2);  // skipped steps, and in a row
     a.optimizer.add(&fp8_amax_scratch_, 1);
+    a.optimizer.add(&fp8_amax_reduce_, linears_.size() * 12 + 1);
     // No input is kept in FP8 for the backward: the weight gradients recompute the transposed
     // copies (from the LayerNorm statistics, the attention output, the pre-GELU activation).
     w.add(&x8_, M * widest);
@@ -165,6 +166,7 @@ void ViT::produce_fp8(Fp8Meta* m, Fp8Kind kind, uint8_t* out, uint8_t* out_t, cu
   if (fp8_.current) {  // the tensor's own amax first (from zero), its scale from that alone
     CUDA_CHECK(cudaMemsetAsync(&m->amax, 0, sizeof(float), st));
     launch(Fp8Out{kind, nullptr, nullptr, nullptr, &m->amax});
+    if (amax_reduce_) amax_reduce_(&m->amax, 1, st);  // the global batch's amax
     fp8_update_scales(m, 1, 1, fp8_.margin, fp8_step_non_finite_, st);
     launch(Fp8Out{kind, &m->scale, out, out_t, fp8_amax_scratch_, stats(m)});
     return;
@@ -210,6 +212,12 @@ void ViT::begin_fp8_step(cudaStream_t st) {
 
 void ViT::end_fp8_step(cudaStream_t st) {
   if (precision_ != Precision::FP8) return;
+  if (amax_reduce_) {  // one all-reduce a step: the amaxes of the global batch, and whether any rank's step is bad
+    const int n = static_cast<int>(linears_.size()) * 12;
+    fp8_gather_amax(fp8_metas_, n, fp8_step_non_finite_, loss_, fp8_amax_reduce_, st);
+    amax_reduce_(fp8_amax_reduce_, n + 1, st);
+    fp8_scatter_amax(fp8_amax_reduce_, fp8_metas_, n, fp8_step_non_finite_, st);
+  }
   if (!fp8_.current)
     fp8_update_scales(fp8_metas_, static_cast<int>(linears_.size()) * 12, fp8_.history, fp8_.margin,
                       fp8_step_non_finite_, st);
@@ -389,7 +397,10 @@ void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) 
   { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kFc2, x8_, x_mid, resid(2 * l + 2), DType::F32, st); }
 }
 
-void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
+void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::function<void(size_t)>& grads_ready_from) {
+  auto ready_from = [&](int tensor) {
+    if (grads_ready_from) grads_ready_from(tensor < 0 ? 0 : layout_.at(tensor).offset);
+  };
   NvtxRange range("backward");
   auto phase = timer.phase(Phase::Backward, st);
   const int D = cfg_.dim, BP = B_ * cfg_.patches();
@@ -406,10 +417,12 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
       layernorm_backward(dfeat_, resid(2 * cfg_.depth), T_ * D, p(layout_.norm_w), lnf_mean_, lnf_rstd_, dresid_,
                          dresid_bf16_, g(layout_.norm_w), g(layout_.norm_b), partial_, B_, D, st); }
   }
+  ready_from(layout_.norm_w);
   for (int l = cfg_.depth - 1; l >= 0; --l) {
     NvtxRange r(nvtx_backward_[l].c_str());
     if (precision_ == Precision::FP8) backward_block_fp8(l, st, gemm, timer);
     else backward_block_bf16(l, st, gemm, timer);
+    ready_from(layout_.blocks[l].norm1_w);
   }
   {
     NvtxRange r("patch_embed backward");
@@ -424,6 +437,7 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
       gemm.linear_backward_weight(dpatch_, patches_, g(layout_.patch_w), g(layout_.patch_b), BP, D,
                                   cfg_.patch_dim(), st); }
   }
+  ready_from(-1);
 }
 
 // On entry dresid holds the gradient of the block's output (fp32, and its bf16 copy); on exit,

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,11 @@ class ViT {
   const int* fp8_step_non_finite() const { return fp8_step_non_finite_; }
   const int* fp8_skipped_steps() const { return fp8_skipped_; }  // [total, in a row]
   void reset_fp8_counters(cudaStream_t stream);
+  // Data parallel: reduce(data, count, stream) takes the maximum over the ranks in place. With
+  // it, every rank's scales come from the amaxes of the whole global batch (the current
+  // recipe's per tensor, the delayed recipe's once a step in end_fp8_step), and every rank
+  // skips the same steps.
+  void set_amax_reducer(std::function<void(float*, int, cudaStream_t)> reduce) { amax_reduce_ = std::move(reduce); }
   // Off for evaluation: FP8 casts use the training scales and record no amax.
   void set_fp8_recording(bool on) { fp8_recording_ = on; }
   // --fp8-stats: while on, the FP8 producers count the values that underflow to zero and that
@@ -96,8 +102,12 @@ class ViT {
 
   // Forward and loss on images [B, C, H, W] fp32 and labels [B]; leaves loss() and logits().
   void forward(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
-  // Backward of the last forward: every parameter gradient into grads() (overwritten).
-  void backward(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
+  // Backward of the last forward: every parameter gradient into grads() (overwritten). The
+  // gradients are finished from the end of the layout towards its start (head, blocks from the
+  // last, patch embedding); grads_ready_from(offset), if given, is called (in stream order) each
+  // time every gradient at or past offset is final: a data-parallel run starts its all-reduces.
+  void backward(cudaStream_t stream, Gemm& gemm, OpTimer& timer,
+                const std::function<void(size_t)>& grads_ready_from = {});
 
   // The batch the next forward reads.
   float* images() const { return images_; }
@@ -164,6 +174,8 @@ class ViT {
   float* fp8_amax_scratch_ = nullptr;
   bool fp8_recording_ = true, fp8_counting_ = false;
   unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting
+  std::function<void(float*, int, cudaStream_t)> amax_reduce_;
+  float* fp8_amax_reduce_ = nullptr;  // the step's amaxes and a bad-step flag, gathered for the reduce
   // FP8 operands of the products at hand: a forward input (or, in the backward, its recomputed
   // transposed copy), and two output gradients' copies (fc2's live on while fc1's are made).
   uint8_t *x8_ = nullptr, *dy8_[2] = {}, *dy8t_[2] = {};

@@ -3,18 +3,22 @@
 
 Usage: python3 tools/pytorch_baseline.py [--dim 1280 --depth 32 --heads 16 --img 224 --patch 16
            --classes 1000 --batch 64 --warmup 5 --steps 20] [--compile]
+       python3 -m torch.distributed.run --nproc_per_node N tools/pytorch_baseline.py [...]
+           (DistributedDataParallel over NCCL, --batch per GPU, PyTorch's default 25 MB buckets)
 
 The seed's training step (see shared/MODEL_SPEC.md) with the batch already on the GPU, so that only
 the step is timed: zero_grad(set_to_none=True); forward and loss under bf16 autocast; backward; step.
 Each step is timed with CUDA events; the first --warmup steps are run but not counted, then --steps
 steps are. Prints a table and, last, one line:
-RESULT pytorch_eager|pytorch_compile step_ms=.. mean_ms=.. img_s=.. tflops=.. peak_alloc_gib=..
+RESULT pytorch_eager|pytorch_compile|pytorch_ddp step_ms=.. mean_ms=.. img_s=.. tflops=.. peak_alloc_gib=..
 peak_reserved_gib=..
 """
 import argparse
+import os
 import statistics
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from timm.models.vision_transformer import VisionTransformer
 
@@ -53,7 +57,12 @@ def main():
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("need --steps >= 1 and --warmup >= 0")
-    name = "pytorch_compile" if args.compile else "pytorch_eager"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:  # under torchrun: one process per GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    name = "pytorch_ddp" if world > 1 else "pytorch_compile" if args.compile else "pytorch_eager"
 
     # Built directly on the GPU: the same model as VisionTransformer(...).cuda(), without the
     # slow CPU initialisation of ViT-H.
@@ -61,6 +70,8 @@ def main():
         model = VisionTransformer(img_size=args.img, patch_size=args.patch,
                                   num_classes=args.classes, embed_dim=args.dim,
                                   depth=args.depth, num_heads=args.heads)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
     forward = torch.compile(model) if args.compile else model
@@ -68,16 +79,19 @@ def main():
     flops = train_flops_per_image(args.img, args.patch, CHANNELS, args.dim, args.depth,
                                   MLP_RATIO * args.dim, args.classes)
 
+    torch.manual_seed(rank)  # each rank its own batch
     images = torch.randn(args.batch, CHANNELS, args.img, args.img, device="cuda")
     labels = torch.arange(args.batch, device="cuda") % args.classes
 
-    print(f"{name}: torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    print(f"ViT dim {args.dim} depth {args.depth} heads {args.heads} img {args.img} "
-          f"patch {args.patch} classes {args.classes}: {n_params:,} parameters, "
-          f"{flops / 1e9:.1f} GFLOP per image per training step", flush=True)
-    print(f"batch {args.batch}: {args.warmup} warm-up steps"
-          f"{' (including compilation)' if args.compile else ''}, then {args.steps} timed",
-          flush=True)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"{name}: torch {torch.__version__}, {torch.cuda.get_device_name()}"
+        f"{f', {world} GPUs' if world > 1 else ''}", flush=True)
+    say(f"ViT dim {args.dim} depth {args.depth} heads {args.heads} img {args.img} "
+        f"patch {args.patch} classes {args.classes}: {n_params:,} parameters, "
+        f"{flops / 1e9:.1f} GFLOP per image per training step", flush=True)
+    say(f"batch {args.batch}{' per GPU' if world > 1 else ''}: {args.warmup} warm-up steps"
+        f"{' (including compilation)' if args.compile else ''}, then {args.steps} timed",
+        flush=True)
 
     total = args.warmup + args.steps
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
@@ -96,20 +110,22 @@ def main():
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)][args.warmup:]
     median_ms = statistics.median(times)
     mean_ms = statistics.mean(times)
-    img_s = args.batch / (median_ms / 1e3)
-    tflops = flops * img_s / 1e12
+    img_s = world * args.batch / (median_ms / 1e3)
+    tflops = flops * img_s / world / 1e12  # per GPU
     peak_alloc = torch.cuda.max_memory_allocated() / 2**30
     peak_reserved = torch.cuda.max_memory_reserved() / 2**30
 
-    print(f"  step ms     median {median_ms:.2f}  mean {mean_ms:.2f}  "
-          f"min {min(times):.2f}  max {max(times):.2f}")
-    print(f"  images/s    {img_s:.1f}")
-    print(f"  TFLOP/s     {tflops:.1f}  (model FLOPs at the median step time)")
-    print(f"  peak memory {peak_alloc:.2f} GiB allocated, {peak_reserved:.2f} GiB reserved")
-    print(f"  last loss   {loss.item():.4f}")
-    print(f"RESULT {name} step_ms={median_ms:.2f} mean_ms={mean_ms:.2f} img_s={img_s:.1f} "
-          f"tflops={tflops:.1f} peak_alloc_gib={peak_alloc:.2f} "
-          f"peak_reserved_gib={peak_reserved:.2f}", flush=True)
+    say(f"  step ms     median {median_ms:.2f}  mean {mean_ms:.2f}  "
+        f"min {min(times):.2f}  max {max(times):.2f}")
+    say(f"  images/s    {img_s:.1f}")
+    say(f"  TFLOP/s     {tflops:.1f}  (model FLOPs at the median step time{', per GPU' if world > 1 else ''})")
+    say(f"  peak memory {peak_alloc:.2f} GiB allocated, {peak_reserved:.2f} GiB reserved")
+    say(f"  last loss   {loss.item():.4f}")
+    say(f"RESULT {name} step_ms={median_ms:.2f} mean_ms={mean_ms:.2f} img_s={img_s:.1f} "
+        f"tflops={tflops:.1f} peak_alloc_gib={peak_alloc:.2f} "
+        f"peak_reserved_gib={peak_reserved:.2f}", flush=True)
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

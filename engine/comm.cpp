@@ -1,0 +1,146 @@
+#include "engine/comm.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "engine/check.h"
+#include "engine/nvtx.h"
+#include "kernels/elementwise.h"
+
+void throw_nccl_error(ncclResult_t r, const char* call, const char* file, int line) {
+  std::string msg = std::string("NCCL error ") + ncclGetErrorString(r) + " in " + call + " at " + file + ":" +
+                    std::to_string(line);
+  const char* last = ncclGetLastError(nullptr);
+  if (last && *last) msg += " (" + std::string(last) + ")";
+  throw RuntimeError(msg);
+}
+
+Comm::Comm(const ncclUniqueId& id, int world, int rank) : world_(world), rank_(rank) {
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  events_.resize(1);
+  CUDA_CHECK(cudaEventCreateWithFlags(&events_[0], cudaEventDisableTiming));
+  NvtxRange range("nccl init");
+  NCCL_CHECK(ncclCommInitRank(&comm_, world, id, rank));
+}
+
+Comm::~Comm() {
+  if (comm_ && !aborted_) {
+    cudaStreamSynchronize(stream_);
+    ncclCommDestroy(comm_);
+  }
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void Comm::abort(const std::string& why) {
+  // Taken with a timeout: a call blocked inside NCCL (a connection to a dead peer) holds the
+  // lock, and aborting is what unblocks it.
+  const bool locked = mutex_.try_lock_for(std::chrono::seconds(2));
+  if (!aborted_.exchange(true)) {
+    abort_reason_ = why;
+    if (comm_) ncclCommAbort(comm_);
+  }
+  if (locked) mutex_.unlock();
+}
+
+void Comm::check() {
+  if (aborted_) throw RuntimeError("stopping: " + abort_reason_);
+  ncclResult_t async = ncclSuccess;
+  NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+  if (async != ncclSuccess) throw_nccl_error(async, "a collective in flight", __FILE__, __LINE__);
+}
+
+void Comm::order(cudaStream_t signaller, cudaStream_t waiter) {
+  if (signaller == waiter) return;
+  CUDA_CHECK(cudaEventRecord(events_[0], signaller));  // a wait takes the record of its moment
+  CUDA_CHECK(cudaStreamWaitEvent(waiter, events_[0], 0));
+}
+
+void Comm::all_reduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op) {
+  std::lock_guard<std::timed_mutex> lock(mutex_);
+  check();
+  NCCL_CHECK(ncclAllReduce(data, data, count, type, op, comm_, stream_));
+}
+
+void Comm::all_reduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t after,
+                      cudaStream_t before) {
+  order(after, stream_);
+  all_reduce(data, count, type, op);
+  order(stream_, before);
+}
+
+void Comm::all_gather(const void* send, void* recv, size_t count, ncclDataType_t type) {
+  std::lock_guard<std::timed_mutex> lock(mutex_);
+  check();
+  NCCL_CHECK(ncclAllGather(send, recv, count, type, comm_, stream_));
+}
+
+GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype,
+                   __nv_bfloat16* staging, cudaStream_t compute)
+    : comm_(comm), grads_(grads), dtype_(dtype), staging_(staging), compute_(compute) {
+  ENSURE(bucket_floats > 0 && (dtype == ReduceDType::F32 || staging), "GradSync: empty buckets or no staging");
+  for (size_t end = count; end > 0;) {
+    const size_t begin = end > bucket_floats ? end - bucket_floats : 0;
+    buckets_.push_back({begin, end});
+    end = begin;
+  }
+}
+
+GradSync::~GradSync() {
+  for (Bucket& b : buckets_) {
+    if (b.start) cudaEventDestroy(b.start);
+    if (b.stop) cudaEventDestroy(b.stop);
+  }
+}
+
+void GradSync::enable_timing() {
+  timing_ = true;
+  for (Bucket& b : buckets_) {
+    CUDA_CHECK(cudaEventCreate(&b.start));
+    CUDA_CHECK(cudaEventCreate(&b.stop));
+  }
+}
+
+void GradSync::collect() {
+  if (!timing_) return;
+  for (Bucket& b : buckets_) {
+    float ms = 0;
+    CUDA_CHECK(cudaEventSynchronize(b.stop));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, b.start, b.stop));
+    busy_ms_ += ms;
+  }
+}
+
+void GradSync::begin_step() {
+  for (Bucket& b : buckets_) b.launched = false;
+}
+
+void GradSync::launch(Bucket& b) {
+  NvtxRange range("gradient all-reduce bucket");
+  const size_t n = b.end - b.begin;
+  if (timing_) CUDA_CHECK(cudaEventRecord(b.start, comm_.stream()));
+  if (dtype_ == ReduceDType::F32) {
+    comm_.all_reduce(grads_ + b.begin, n, ncclFloat32, ncclAvg);
+  } else {  // half the bytes on the wire; the average rounds to bf16 once
+    cast_to_bf16(grads_ + b.begin, staging_ + b.begin, n, comm_.stream());
+    comm_.all_reduce(staging_ + b.begin, n, ncclBfloat16, ncclAvg);
+    cast_to_f32(staging_ + b.begin, grads_ + b.begin, n, comm_.stream());
+  }
+  if (timing_) CUDA_CHECK(cudaEventRecord(b.stop, comm_.stream()));
+  b.launched = true;
+}
+
+void GradSync::ready_from(size_t offset) {
+  bool ordered = false;
+  for (Bucket& b : buckets_) {
+    if (b.launched || b.begin < offset) continue;
+    if (!ordered) comm_.order(compute_, comm_.stream());  // the gradients so far are on the compute stream
+    ordered = true;
+    launch(b);
+  }
+}
+
+void GradSync::finish() {
+  ready_from(0);
+  comm_.order(comm_.stream(), compute_);
+}

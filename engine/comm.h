@@ -1,0 +1,99 @@
+// A worker's NCCL communicator and the gradient all-reduce in buckets.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <vector>
+
+[[noreturn]] void throw_nccl_error(ncclResult_t r, const char* call, const char* file, int line);
+#define NCCL_CHECK(call)                                                    \
+  do {                                                                      \
+    ncclResult_t r_ = (call);                                               \
+    if (r_ != ncclSuccess) throw_nccl_error(r_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+// One rank's communicator, with the stream its collectives run on. abort() may be called from
+// another thread (the supervisor, when another rank failed): it unblocks collectives in flight,
+// and every later call here throws instead of touching the aborted communicator.
+class Comm {
+ public:
+  Comm(const ncclUniqueId& id, int world, int rank);
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  cudaStream_t stream() const { return stream_; }
+
+  // In-place all-reduce on the communication stream, after everything `after` has queued so
+  // far; `before` waits for it (either stream may be the communication stream itself).
+  void all_reduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t after,
+                  cudaStream_t before);
+  // The same without stream ordering: on the communication stream, in its order.
+  void all_reduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op);
+  void all_gather(const void* send, void* recv, size_t count, ncclDataType_t type);
+  // Makes `waiter` wait for everything queued on `signaller` so far.
+  void order(cudaStream_t signaller, cudaStream_t waiter);
+
+  void abort(const std::string& why);
+  // Throws if aborted; else the communicator's asynchronous error, if any.
+  void check();
+
+ private:
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::vector<cudaEvent_t> events_;  // a ring, for order()
+  size_t next_event_ = 0;
+  int world_, rank_;
+  std::timed_mutex mutex_;
+  std::atomic<bool> aborted_{false};
+  std::string abort_reason_;
+};
+
+enum class ReduceDType { F32, BF16 };
+
+// Gradients averaged over the ranks in buckets of the flat fp32 gradient buffer. The backward
+// fills it from the end towards the start (head first, patch embedding last), so buckets are
+// cut from the end; ready_from(offset) tells that every gradient at or past offset is final, and
+// each bucket wholly inside that range starts its all-reduce on the communication stream at
+// once, while the backward goes on with earlier blocks. finish() starts what is left and makes
+// the compute stream wait for all of it.
+class GradSync {
+ public:
+  GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype, __nv_bfloat16* staging,
+           cudaStream_t compute);
+  static size_t staging_elements(size_t count, ReduceDType dtype) { return dtype == ReduceDType::BF16 ? count : 0; }
+
+  void begin_step();
+  void ready_from(size_t offset);
+  void finish();
+  int buckets() const { return static_cast<int>(buckets_.size()); }
+
+  // --timing: events around each bucket on the communication stream; collect() (after the step
+  // has finished) adds the step's busy time, and busy_ms() is the total.
+  void enable_timing();
+  void collect();
+  double busy_ms() const { return busy_ms_; }
+  ~GradSync();
+
+ private:
+  struct Bucket {
+    size_t begin, end;
+    bool launched = false;
+    cudaEvent_t start = nullptr, stop = nullptr;
+  };
+  void launch(Bucket& b);
+  Comm& comm_;
+  float* grads_;
+  ReduceDType dtype_;
+  __nv_bfloat16* staging_;
+  cudaStream_t compute_;
+  std::vector<Bucket> buckets_;  // from the end of the buffer to its start
+  bool timing_ = false;
+  double busy_ms_ = 0;
+};

@@ -1,0 +1,181 @@
+#include "engine/data_parallel.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "engine/check.h"
+#include "engine/comm.h"
+#include "engine/distributed.h"
+#include "engine/trainer.h"
+
+namespace {
+using Clock = std::chrono::steady_clock;
+constexpr int kRendezvousTimeoutS = 300;  // processes a launcher starts arrive within this
+constexpr int kExitGraceS = 30;           // after a failure, workers get this long to stop
+
+// What the workers of this process share: their communicators (for aborting them), the first
+// failure, and how many have finished.
+struct Supervisor {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::vector<Comm*> comms;
+  std::string failure;       // the first: "rank R: cause" or from another process
+  bool usage_error = false;  // that failure was bad input (exit 2)
+  int finished = 0;
+
+  void abort_all(const std::string& why) {
+    std::vector<Comm*> live;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      live = comms;
+    }
+    for (Comm* c : live)
+      if (c) c->abort(why);
+  }
+  // Returns true for the first failure (whose message is the one printed).
+  bool fail(const std::string& what, bool usage) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!failure.empty()) return false;
+    failure = what;
+    usage_error = usage;
+    changed.notify_all();
+    return true;
+  }
+};
+}  // namespace
+
+int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    throw RuntimeError("no CUDA GPU is available");
+  }
+  const int first_device = group.local_rank * opts.gpus;
+  if (first_device + opts.gpus > count)
+    throw UsageError("--gpus " + std::to_string(opts.gpus) + (group.size > 1 ? " with local rank " + std::to_string(group.local_rank) : "") +
+                     " needs devices " + std::to_string(first_device) + ".." + std::to_string(first_device + opts.gpus - 1) +
+                     " but this machine has " + std::to_string(count) + " GPU(s)");
+  const int world = group.size * opts.gpus;
+
+  // The NCCL id travels from process 0 to the others over the control channel.
+  std::vector<char> id_bytes;
+  if (group.rank == 0) {
+    ncclUniqueId id;
+    NCCL_CHECK(ncclGetUniqueId(&id));
+    id_bytes.assign(id.internal, id.internal + sizeof id.internal);
+  }
+  ControlChannel channel(group, id_bytes, sizeof(ncclUniqueId), kRendezvousTimeoutS);
+  ncclUniqueId id;
+  std::memcpy(id.internal, channel.payload().data(), sizeof id.internal);
+
+  Supervisor sup;
+  sup.comms.assign(opts.gpus, nullptr);
+  channel.on_failure([&](const std::string& f) {  // another process failed
+    if (sup.fail("stopping: " + f, false)) sup.abort_all(f);
+  });
+  std::vector<std::atomic<long>> progress(opts.gpus);
+  const std::string layout = group.size > 1 ? std::to_string(group.size) + " processes x " + std::to_string(opts.gpus) +
+                                                  " GPU(s), " + group.source
+                                            : std::to_string(opts.gpus) + " GPUs of one process";
+  std::vector<std::thread> workers;
+  for (int w = 0; w < opts.gpus; ++w) {
+    workers.emplace_back([&, w] {
+      const int rank = group.rank * opts.gpus + w;
+      // Both outlive the try block: after a failure the communicators are aborted first, so
+      // that the trainer's stream (which may wait on a collective) can drain when it is freed.
+      std::unique_ptr<Comm> comm;
+      std::unique_ptr<Trainer> trainer;
+      try {
+        WorkerContext ctx;
+        ctx.rank = rank;
+        ctx.world = world;
+        ctx.device = first_device + w;
+        ctx.layout = layout;
+        ctx.progress = &progress[w];
+        CUDA_CHECK(cudaSetDevice(ctx.device));
+        comm = std::make_unique<Comm>(id, world, rank);
+        {
+          std::lock_guard<std::mutex> lock(sup.mutex);
+          sup.comms[w] = comm.get();
+        }
+        ctx.comm = comm.get();
+        trainer = std::make_unique<Trainer>(opts, ctx);
+        trainer->train();
+      } catch (const std::exception& e) {
+        const bool usage = dynamic_cast<const UsageError*>(&e) != nullptr;
+        const std::string what = "rank " + std::to_string(rank) + ": " + e.what();
+        if (sup.fail(what, usage)) {
+          channel.report_failure(what);
+          sup.abort_all(what);
+        }
+      }
+      try {
+        trainer.reset();
+      } catch (...) {
+      }
+      {
+        std::lock_guard<std::mutex> lock(sup.mutex);
+        sup.comms[w] = nullptr;
+      }
+      comm.reset();
+      std::lock_guard<std::mutex> lock(sup.mutex);
+      ++sup.finished;
+      sup.changed.notify_all();
+    });
+  }
+
+  // Supervise: a run in which no worker finishes a step for --comm-timeout seconds (a hung
+  // collective, a silent peer) is stopped; after a failure, the workers get a grace period.
+  std::vector<long> last(opts.gpus, -1);
+  auto last_change = Clock::now();
+  Clock::time_point failed_at{};
+  for (;;) {
+    std::unique_lock<std::mutex> lock(sup.mutex);
+    sup.changed.wait_for(lock, std::chrono::milliseconds(200));
+    if (sup.finished == opts.gpus) break;
+    if (!sup.failure.empty()) {
+      if (failed_at == Clock::time_point{}) failed_at = Clock::now();
+      if (Clock::now() - failed_at > std::chrono::seconds(kExitGraceS)) {
+        std::fprintf(stderr, "vit_train: error: %s\n(the workers did not stop within %d s; exiting)\n",
+                     sup.failure.c_str(), kExitGraceS);
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+      continue;
+    }
+    bool moved = false;
+    for (int w = 0; w < opts.gpus; ++w) {
+      const long p = progress[w].load();
+      if (p != last[w]) moved = true;
+      last[w] = p;
+    }
+    if (moved) last_change = Clock::now();
+    const bool started = last[0] > 0;  // start-up (autotuning, data loading) is not timed
+    if (started && Clock::now() - last_change > std::chrono::seconds(opts.comm_timeout)) {
+      lock.unlock();
+      const std::string what = "no step finished for " + std::to_string(opts.comm_timeout) +
+                               " s (--comm-timeout): a collective is hung or a peer stopped answering";
+      if (sup.fail("process " + std::to_string(group.rank) + ": " + what, false)) {
+        channel.report_failure(what);
+        sup.abort_all(what);
+      }
+    }
+  }
+  for (std::thread& t : workers) t.join();
+  if (!sup.failure.empty()) {
+    std::fprintf(stderr, "vit_train: %s%s\n", sup.usage_error ? "" : "error: ", sup.failure.c_str());
+    return sup.usage_error ? 2 : 1;
+  }
+  channel.goodbye();
+  return 0;
+}

@@ -1,0 +1,12 @@
+// --gpus N and launcher jobs: one worker thread per GPU in this process, each with its own
+// Trainer and NCCL communicator, under a supervisor that stops every rank when one fails (or
+// when no step finishes for --comm-timeout seconds). Threads rather than spawned processes: one
+// process shares the dataset in host memory, has one exit code and one place that sees every
+// worker's failure; across machines, a launcher starts one such process per node or per GPU.
+#pragma once
+#include "engine/cli.h"
+#include "engine/distributed.h"
+
+// Runs the training; returns the exit code (0, 1 run-time failure, 2 bad input), having
+// printed the failure's message.
+int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group);
