@@ -173,8 +173,12 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
   }
   for (std::thread& t : workers) t.join();
   if (!sup.failure.empty()) {
+    // Out at once: after an abort, library teardown at exit (NCCL's proxy threads, the CUDA
+    // context) is not worth waiting on.
     std::fprintf(stderr, "vit_train: %s%s\n", sup.usage_error ? "" : "error: ", sup.failure.c_str());
-    return sup.usage_error ? 2 : 1;
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(sup.usage_error ? 2 : 1);
   }
   channel.goodbye();
   return 0;
