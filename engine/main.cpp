@@ -21,7 +21,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     const ProcessGroup group = process_group_from_env([](const char* name) { return std::getenv(name); });
-    if (group.size > 1 || opts.gpus > 1) {
+    // VIT_TRAIN_DATA_PARALLEL=1: the data-parallel machinery even for one rank (a test aid: NCCL,
+    // buckets and the supervisor exercised on a one-GPU machine).
+    const char* force = std::getenv("VIT_TRAIN_DATA_PARALLEL");
+    if (group.size > 1 || opts.gpus > 1 || (force && std::string(force) == "1")) {
       if (!opts.dump_reference.empty()) throw UsageError("--dump-reference runs on one GPU in one process");
       return run_data_parallel(opts, group);
     }

@@ -199,7 +199,7 @@ void Trainer::print_summary() const {
                 opts_.data_dir.c_str(), dataset_->train.count, train_loader_->batches_per_epoch(), dataset_->test.count);
   else
     std::printf("  data        synthetic: N(0, 1) images, label = sample index %% classes, made on the GPU\n");
-  if (ctx_.world > 1)
+  if (ctx_.comm)
     std::printf("  parallel    %d ranks (%s), global batch %d; gradients averaged in %s over NCCL, %d buckets of %d MB\n"
                 "              on a communication stream, overlapping the backward\n",
                 ctx_.world, ctx_.layout.c_str(), ctx_.world * opts_.batch, opts_.reduce_dtype.c_str(), sync_->buckets(),

@@ -217,6 +217,30 @@ void check_same_losses(const std::vector<double>& a, const std::vector<double>& 
 }
 }  // namespace
 
+TEST_CASE("gpu: the data-parallel machinery on one rank trains exactly like the plain path; a failure stops it") {
+  SKIP_WITHOUT_GPU();
+  for (const char* precision : {"bf16", "fp8"}) {
+    CAPTURE(precision);
+    // The heuristic's GEMM algorithms (the autotuner's pick by timing could differ between runs).
+    const std::string args = " --precision " + std::string(precision) + " --batch 32 --no-gemm-autotune";
+    const Run plain = shell(kSmall + args);
+    const Run dp = shell("VIT_TRAIN_DATA_PARALLEL=1 " + kSmall + args);
+    CAPTURE(plain.out);
+    CAPTURE(dp.out);
+    REQUIRE(plain.code == 0);
+    REQUIRE(dp.code == 0);
+    CHECK(dp.out.find("1 GPUs of one process") != std::string::npos);
+    CHECK(losses(plain.out) == losses(dp.out));  // an average over one rank changes nothing
+    const std::string checksum = "weights: checksum ";
+    REQUIRE(plain.out.find(checksum) != std::string::npos);
+    CHECK(plain.out.substr(plain.out.find(checksum), 34) == dp.out.substr(dp.out.find(checksum), 34));
+  }
+  const Run failed = shell("VIT_TRAIN_DATA_PARALLEL=1 VIT_TRAIN_TEST_FAIL=0:3 " + kSmall);
+  CAPTURE(failed.out);
+  CHECK(failed.code == 1);
+  CHECK(failed.out.find("rank 0: failure injected by VIT_TRAIN_TEST_FAIL at step 3") != std::string::npos);
+}
+
 TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, with identical weights") {
   SKIP_WITHOUT_GPU();
   if (gpu_count() < 2) {
