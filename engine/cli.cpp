@@ -74,6 +74,13 @@ std::string usage() {
          "  --profile-steps A:B    cudaProfilerStart/Stop around steps A..B (nsys --capture-range=cudaProfilerApi)\n"
          "  --peak-tflops X        dense peak for MFU when the GPU is not known to the engine\n"
          "  --no-gemm-autotune     take cuBLASLt's heuristic first choice instead of timing its candidates\n"
+         "  --log FILE             append JSON lines: step, loss, lr, images/s, TFLOP/s, evaluations, FP8 events,\n"
+         "                         checkpoints (tools/plot_metrics.py draws them)\n"
+         "checkpoints:\n"
+         "  --save DIR             write checkpoints under DIR (timm-loadable weights + optimizer and FP8 state)\n"
+         "  --save-every N         every N steps (default: only at the end); --keep K: the newest K (default 3)\n"
+         "  --resume DIR           continue from DIR's newest checkpoint (the same run shape; the same losses)\n"
+         "  --init-from FILE       start from a timm safetensors file (strict: every tensor, nothing else)\n"
          "  --dump-reference DIR   write weights, batches, step-0 logits/loss/gradients and the losses of\n"
          "                         --steps steps for tools/timm_reference.py\n"
          "  --help                 this text\n";
@@ -146,6 +153,12 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--weight-decay", [&](const std::string& f, const std::string& v) { o.weight_decay = parse_double(f, v, 0, 1e3); }},
       {"--log-every", [&](const std::string& f, const std::string& v) { o.log_every = parse_int(f, v, 1, 1 << 30); }},
       {"--peak-tflops", [&](const std::string& f, const std::string& v) { o.peak_tflops = parse_double(f, v, 1e-3, 1e6); }},
+      {"--save", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a directory"); o.save_dir = v; }},
+      {"--save-every", [&](const std::string& f, const std::string& v) { o.save_every = parse_int(f, v, 1, 1 << 30); }},
+      {"--keep", [&](const std::string& f, const std::string& v) { o.keep = parse_int(f, v, 1, 1 << 20); }},
+      {"--resume", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a directory"); o.resume = v; }},
+      {"--init-from", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a file"); o.init_from = v; }},
+      {"--log", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a file"); o.log_file = v; }},
       {"--dump-reference", [&](const std::string&, const std::string& v) {
          if (v.empty()) bad("--dump-reference needs a directory");
          o.dump_reference = v;
@@ -208,6 +221,8 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     bad("--dump-reference replays the synthetic data at a constant learning rate in timm's bf16 autocast: it takes "
         "neither --data, --lr-schedule cosine, --warmup-steps nor --precision fp8");
   if (!o.dump_reference.empty() && o.gpus > 1) bad("--dump-reference runs on one GPU (--gpus 1)");
+  if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
+  if (!o.resume.empty() && !o.init_from.empty()) bad("--resume and --init-from exclude each other (a checkpoint has its weights)");
   if (o.epochs == 0) set_total_steps(o, o.steps);
   return o;
 }

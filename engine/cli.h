@@ -35,6 +35,12 @@ struct TrainOptions {
   bool gemm_autotune = true;  // time cuBLASLt's candidate algorithms per GEMM shape
   int profile_first = -1, profile_last = -1;  // --profile-steps A:B, inclusive
   std::string dump_reference;                 // --dump-reference DIR
+  std::string save_dir;      // --save DIR: checkpoints
+  int save_every = 0;        // steps between checkpoints (0: only at the end)
+  int keep = 3;              // checkpoints kept
+  std::string resume;        // --resume DIR: continue from its newest checkpoint
+  std::string init_from;     // --init-from FILE: timm safetensors weights
+  std::string log_file;      // --log FILE: JSON-lines metrics (appended)
   double peak_tflops = 0;                     // 0: known from the device name
   bool help = false;
 };

@@ -3,13 +3,17 @@
 #include <cuda_profiler_api.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "engine/check.h"
+#include "engine/checkpoint.h"
 #include "engine/nvtx.h"
 #include "kernels/attention.h"
 #include "kernels/data.h"
@@ -142,7 +146,40 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     CUDA_CHECK(cudaMemset(loss_sum_, 0, sizeof(float)));
   }
   model_->init_params(opts_.seed, stream_);
+  if (!opts_.init_from.empty()) load_timm_weights(opts_.init_from, *model_, stream_);
+  if (!opts_.resume.empty()) {
+    resumed_from_ = latest_checkpoint(opts_.resume);
+    const CheckpointState st = load_checkpoint(resumed_from_, *model_, opts_, ctx_.world, stream_);
+    if (st.step >= opts_.steps)
+      throw UsageError("--resume " + resumed_from_ + ": the checkpoint is at step " + std::to_string(st.step) +
+                       " and this run ends at step " + std::to_string(opts_.steps) + ": nothing is left to run");
+    start_step_ = st.step;
+    if (loss_sum_) CUDA_CHECK(cudaMemcpy(loss_sum_, &st.epoch_loss_sum, sizeof(float), cudaMemcpyHostToDevice));
+  }
+  if (!opts_.save_dir.empty() && ctx_.logs()) check_writable_dir(opts_.save_dir, "--save");  // now, not after the run
+  if (!opts_.log_file.empty() && ctx_.logs()) {
+    log_ = std::fopen(opts_.log_file.c_str(), "a");  // appended: a resumed run continues its log
+    if (!log_) throw RuntimeError("--log " + opts_.log_file + ": " + std::strerror(errno));
+  }
   prepare();
+}
+
+void Trainer::log_json(const std::string& fields) {
+  if (!log_) return;
+  std::fprintf(log_, "{%s}\n", fields.c_str());
+  std::fflush(log_);
+}
+
+void Trainer::save(int steps_done) {
+  CheckpointState st;
+  st.step = steps_done;
+  st.epoch_loss_sum = loss_sum_ ? mean_over_ranks(loss_sum_) : 0.0f;  // a collective: every rank
+  if (!ctx_.logs()) return;  // the ranks hold the same state; rank 0 writes it
+  save_checkpoint(opts_.save_dir, opts_.keep, st, *model_, opts_, ctx_.world, stream_);
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08d", steps_done);
+  std::printf("  checkpoint: %s/%s (the newest %d kept)\n", opts_.save_dir.c_str(), name, opts_.keep);
+  log_json("\"step\": " + std::to_string(steps_done) + ", \"checkpoint\": \"" + opts_.save_dir + "/" + name + "\"");
 }
 
 // One untimed forward and backward before the first step: each GEMM shape gets its algorithm
@@ -150,20 +187,29 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
 // nothing: the first step recomputes the same batch, activations and gradients.
 void Trainer::prepare() {
   load_batch(0);
-  if (!model_->prime_fp8_scales(stream_, *gemm_, *timer_))  // fp8 delayed: the priming pass is that pass
-    forward_backward(false);
-  model_->reset_fp8_counters(stream_);  // the start-up pass is not a training step
+  if (!resumed_from_.empty()) {  // the checkpoint's FP8 state stays as it is: nothing primed, nothing recorded
+    model_->set_fp8_recording(false);
+    model_->forward(stream_, *gemm_, *timer_);
+    model_->backward(stream_, *gemm_, *timer_);
+    model_->set_fp8_recording(true);
+  } else {
+    if (!model_->prime_fp8_scales(stream_, *gemm_, *timer_))  // fp8 delayed: the priming pass is that pass
+      forward_backward(false);
+    model_->reset_fp8_counters(stream_);  // the start-up pass is not a training step
+  }
   timer_->finish_step(false);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void Trainer::end_step(int step) {
-  timer_->finish_step(step >= opts_.warmup);
-  if (sync_ && opts_.timing && step >= opts_.warmup) sync_->collect();
+  const bool timed = step >= start_step_ + opts_.warmup;
+  timer_->finish_step(timed);
+  if (sync_ && opts_.timing && timed) sync_->collect();
 }
 
 Trainer::~Trainer() {
   if (stream_) cudaStreamSynchronize(stream_);
+  if (log_) std::fclose(log_);
   sync_.reset();
   cudaFree(loss_sum_);
   cudaFree(correct_);
@@ -325,6 +371,10 @@ void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epoc
     top1 = evaluate();
     if (ctx_.logs()) std::printf("  eval after step %d (epoch %.2f): test top-1 %.2f%% of %d images, lr %.4g\n", step + 1,
                 (step + 1) / static_cast<double>(per_epoch), 100 * top1, dataset_->test.count, schedule_.at(step));
+    char j[160];
+    std::snprintf(j, sizeof j, "\"step\": %d, \"epoch\": %.4f, \"eval_top1\": %.6f", step + 1,
+                  (step + 1) / static_cast<double>(per_epoch), top1);
+    log_json(j);
   }
   if (epoch_end) {
     epochs.push_back({step / per_epoch + 1, steps_in_epoch, train_loss, top1});
@@ -358,11 +408,17 @@ void Trainer::train() {
   std::vector<double> step_ms;  // every step's time, warm-up included
   std::vector<EpochResult> epochs;
   if (logs)
-    std::printf("\n%11s %10s %10s %10s %10s %7s\n", "step", "loss", "ms/step", "images/s",
-                ctx_.world > 1 ? "TFLOP/s/GPU" : "TFLOP/s", "MFU");
+    std::printf("\n%11s %10s %10s %10s %10s %7s %9s\n", "step", "loss", "ms/step", "images/s",
+                ctx_.world > 1 ? "TFLOP/s/GPU" : "TFLOP/s", "MFU", "ETA");
 
-  int window_start = 0, skipped_reported = 0;
-  for (int step = 0; step < opts_.steps; ++step) {
+  if (!resumed_from_.empty() && logs)
+    std::printf("  resumed from %s: steps %d..%d\n", resumed_from_.c_str(), start_step_ + 1, opts_.steps);
+  log_json("\"event\": \"start\", \"step\": " + std::to_string(start_step_) + ", \"steps\": " +
+           std::to_string(opts_.steps) + ", \"global_batch\": " + std::to_string(global_batch) + ", \"precision\": \"" +
+           opts_.precision + "\"");
+  const auto wall_start = std::chrono::steady_clock::now();
+  int window_start = start_step_, skipped_reported = 0;
+  for (int step = start_step_; step < opts_.steps; ++step) {
     if (step == fail_at) throw RuntimeError("failure injected by VIT_TRAIN_TEST_FAIL at step " + std::to_string(step));
     if (step == opts_.profile_first) CUDA_CHECK(cudaProfilerStart());
     const int slot = step - window_start;
@@ -395,8 +451,20 @@ void Trainer::train() {
       char mfu[16] = "-";
       if (peak_tflops_ > 0) std::snprintf(mfu, sizeof mfu, "%.1f%%", 100 * tflops / peak_tflops_);
       if (logs) {
-        std::printf("%5d/%-5d %10.4f %10.2f %10.1f %10.1f %7s%s\n", step + 1, opts_.steps, loss, ms,
-                    global_batch / (ms * 1e-3), tflops, mfu, step < opts_.warmup ? "  (warm-up)" : "");
+        // ETA from this process's wall clock so far (evaluations and checkpoints included).
+        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+        const int done = step + 1 - start_step_, left = opts_.steps - step - 1;
+        const long eta = std::lround(elapsed / done * left);
+        char eta_text[32];
+        std::snprintf(eta_text, sizeof eta_text, "%ld:%02ld:%02ld", eta / 3600, eta / 60 % 60, eta % 60);
+        std::printf("%5d/%-5d %10.4f %10.2f %10.1f %10.1f %7s %9s%s\n", step + 1, opts_.steps, loss, ms,
+                    global_batch / (ms * 1e-3), tflops, mfu, eta_text,
+                    step < start_step_ + opts_.warmup ? "  (warm-up)" : "");
+        char j[256];
+        std::snprintf(j, sizeof j, "\"step\": %d, \"loss\": %.6g, \"lr\": %.6g, \"ms_per_step\": %.4f, "
+                      "\"images_per_s\": %.2f, \"tflops_per_gpu\": %.2f", step + 1, loss, schedule_.at(step), ms,
+                      global_batch / (ms * 1e-3), tflops);
+        log_json(j);
         if (opts_.fp8_stats) std::printf("%s", model_->fp8_stats_table(stream_).c_str());
         std::fflush(stdout);
       }
@@ -408,6 +476,7 @@ void Trainer::train() {
         if (counters[0] > skipped_reported && logs) {
           std::printf("  fp8: %d step(s) skipped for non-finite values so far (the offending tensors' scales "
                       "halved for the next step)\n", counters[0]);
+          log_json("\"step\": " + std::to_string(step + 1) + ", \"fp8_skipped_total\": " + std::to_string(counters[0]));
         }
         skipped_reported = counters[0];
         if (counters[1] >= kMaxSkippedInARow)
@@ -420,6 +489,8 @@ void Trainer::train() {
       window_start = step + 1;
     }
     if (dataset_) record_epoch_and_evaluate(step, epochs);
+    if (!opts_.save_dir.empty() && (last || (opts_.save_every > 0 && (step + 1) % opts_.save_every == 0)))
+      save(step + 1);
   }
   if (!epochs.empty() && logs) {
     std::printf("\n%7s %7s %12s %12s\n", "epoch", "steps", "train loss", "test top-1");
@@ -449,7 +520,9 @@ void Trainer::train() {
   }
   if (!logs) return;
 
-  const std::vector<double> timed(step_ms.begin() + opts_.warmup, step_ms.end());
+  // A resumed run may have fewer steps left than the warm-up: then its last step is timed.
+  const size_t warm = std::min<size_t>(opts_.warmup, step_ms.size() - 1);
+  const std::vector<double> timed(step_ms.begin() + warm, step_ms.end());
   const double med = median(timed);
   double mean = 0;
   for (double v : timed) mean += v / timed.size();
@@ -468,7 +541,7 @@ void Trainer::train() {
               ctx_.world > 1 ? (", identical on all " + std::to_string(ctx_.world) + " ranks").c_str() : "");
   std::printf("\nsummary over %zu timed steps (after %d warm-up): median %.2f ms/step (mean %.2f), %.1f images/s, "
               "%.1f TFLOP/s%s",
-              timed.size(), opts_.warmup, med, mean, global_batch / (med * 1e-3), tflops, ctx_.world > 1 ? " per GPU" : "");
+              timed.size(), static_cast<int>(warm), med, mean, global_batch / (med * 1e-3), tflops, ctx_.world > 1 ? " per GPU" : "");
   if (peak_tflops_ > 0) std::printf(", MFU %.1f%%", 100 * tflops / peak_tflops_);
   std::printf("; device memory in use %.2f GiB%s\n", used_gib, ctx_.world > 1 ? " (rank 0's GPU)" : "");
   std::printf("RESULT engine step_ms=%.2f mean_ms=%.2f img_s=%.1f tflops=%.1f mfu=%.3f peak_mem_gib=%.2f ranks=%d\n", med,

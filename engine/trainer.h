@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,6 +61,10 @@ class Trainer {
     double train_loss, top1;  // top1 NaN where no evaluation fell on the epoch's end
   };
   void print_summary() const;
+  // --save: a checkpoint after `steps_done` steps (every rank takes part; rank 0 writes).
+  void save(int steps_done);
+  // --log: one JSON line (rank 0), flushed.
+  void log_json(const std::string& fields);
   // The mean over the ranks of a device scalar (itself when alone), read on the host.
   float mean_over_ranks(const float* device_value);
   void prepare();
@@ -67,6 +72,9 @@ class Trainer {
 
   TrainOptions opts_;
   WorkerContext ctx_;
+  int start_step_ = 0;        // --resume: the checkpoint's step
+  std::string resumed_from_;
+  std::FILE* log_ = nullptr;  // --log, rank 0
   std::unique_ptr<GradSync> sync_;
   __nv_bfloat16* reduce_staging_ = nullptr;
   float* scalar_ = nullptr;                   // device scratch for reduced scalars

@@ -83,6 +83,10 @@ class ViT {
   bool prime_fp8_scales(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
   const int* fp8_step_non_finite() const { return fp8_step_non_finite_; }
   const int* fp8_skipped_steps() const { return fp8_skipped_; }  // [total, in a row]
+  // The FP8 scaling state as it lives on the device (checkpoints): the metas, and the counters.
+  Fp8Meta* fp8_metas() const { return fp8_metas_; }
+  int fp8_meta_count() const { return precision_ == Precision::FP8 ? static_cast<int>(linears_.size()) * 12 : 0; }
+  int* fp8_skip_counters() const { return fp8_skipped_; }
   void reset_fp8_counters(cudaStream_t stream);
   // Data parallel: reduce(data, count, stream) takes the maximum over the ranks in place. With
   // it, every rank's scales come from the amaxes of the whole global batch (the current

@@ -9,7 +9,8 @@
 # $FASHION_RUNS, PRECISION:SEED with PRECISION bf16, fp8 or fp8-current, default "bf16:0 fp8:0";
 # the IDX files from $FASHION_MNIST, default /usr/share/datasets/fashion-mnist), fp8_stats (ViT-H
 # in fp8 with --fp8-stats), timing_heuristic (the breakdown with cuBLASLt's heuristic GEMM choices) and
-# ncu (Nsight Compute's speed-of-light of each non-GEMM kernel and each GEMM of one block).
+# ncu (Nsight Compute's speed-of-light of each non-GEMM kernel and each GEMM of one block), and
+# ref_ckpt (a checkpoint loaded by timm strictly, and through --init-from checked against timm).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small bench timing ref_h)
 set -uo pipefail
@@ -59,6 +60,19 @@ for part in $parts; do
       run ncu ncu --clock-control none --section SpeedOfLight --launch-count 40 \
         -k regex:'layernorm|gelu|attention|sgd|sum_rows|gemm|sm90|cutlass|xmma' \
         ./vit_train --depth 2 --steps 1 --warmup 0 --no-gemm-autotune ;;
+    ref_ckpt)  # a checkpoint loads into timm (strict) and, through --init-from, gives timm's logits
+      rm -rf /tmp/ckpt /tmp/ref_ckpt
+      run ckpt_save ./vit_train $SMALL --lr 0.05 --steps 10 --save /tmp/ckpt
+      run ckpt_timm_load python3 -c "
+import timm, torch
+from safetensors.torch import load_file
+m = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, in_chans=3, num_classes=10,
+    embed_dim=64, depth=2, num_heads=4)
+m.load_state_dict(load_file('/tmp/ckpt/step-00000010/model.safetensors'), strict=True)
+print('timm loaded the checkpoint strictly:', sum(p.numel() for p in m.parameters()), 'parameters')"
+      run ref_ckpt_dump ./vit_train $SMALL --lr 0.05 --steps 10 --init-from /tmp/ckpt/step-00000010/model.safetensors \
+        --dump-reference /tmp/ref_ckpt
+      run ref_ckpt python3 tools/timm_reference.py /tmp/ref_ckpt ;;
     ref_h)
       rm -rf /tmp/ref_h
       run ref_h_dump ./vit_train --steps 10 --dump-reference /tmp/ref_h

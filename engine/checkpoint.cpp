@@ -1,0 +1,225 @@
+#include "engine/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "engine/check.h"
+#include "engine/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+constexpr const char* kPrefix = "step-";
+
+template <class T>
+std::vector<T> to_host(const T* device, size_t n, cudaStream_t stream) {
+  std::vector<T> h(n);
+  if (n) CUDA_CHECK(cudaMemcpyAsync(h.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  return h;
+}
+
+// What must match for a checkpoint to continue this run: the model's shape and the precision
+// (and, as facts to report, the batch and the number of ranks).
+std::vector<int64_t> run_shape(const ViTConfig& c, const TrainOptions& o, int world) {
+  return {c.img, c.patch, c.channels, c.classes, c.dim, c.depth, c.heads, static_cast<int64_t>(c.mlp_ratio * 1000),
+          o.precision == "fp8" ? 1 : 0, o.batch, world};
+}
+const char* kShapeNames[] = {"img", "patch", "channels", "classes", "dim", "depth", "heads", "mlp_ratio x 1000",
+                             "precision (1 fp8)", "batch", "ranks"};
+
+void fsync_path(const std::string& path, bool dir) {
+  const int fd = ::open(path.c_str(), dir ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) throw RuntimeError("cannot open " + path + " to flush it: " + std::strerror(errno));
+  const int r = ::fsync(fd);
+  ::close(fd);
+  if (r != 0) throw RuntimeError("cannot flush " + path + ": " + std::strerror(errno));
+}
+
+bool is_checkpoint(const fs::path& p) {
+  return fs::is_directory(p) && fs::exists(p / "model.safetensors") && fs::exists(p / "state.safetensors");
+}
+
+std::vector<fs::path> checkpoints_in(const std::string& dir) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(kPrefix, 0) == 0 && is_checkpoint(e.path())) out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());  // zero-padded step numbers sort by step
+  return out;
+}
+
+void copy_to_device(float* dst, const std::vector<float>& src, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemcpyAsync(dst, src.data(), src.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+}  // namespace
+
+void save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, ViT& model,
+                     const TrainOptions& opts, int world, cudaStream_t stream) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir)) throw RuntimeError("cannot create checkpoint directory " + dir + ": " + ec.message());
+  char name[32];
+  std::snprintf(name, sizeof name, "%s%08d", kPrefix, state.step);
+  const fs::path final_path = fs::path(dir) / name, tmp = fs::path(dir) / (std::string(".") + name + ".tmp");
+  fs::remove_all(tmp, ec);
+  if (!fs::create_directory(tmp, ec)) throw RuntimeError("cannot create " + tmp.string() + ": " + ec.message());
+
+  try {
+    const ParamLayout& layout = model.layout();
+    const std::vector<float> params = to_host(model.params(), layout.total(), stream);
+    const std::vector<float> momentum = to_host(model.momentum(), layout.total(), stream);
+    std::vector<StTensor> weights, st;
+    for (const ParamTensor& t : layout.tensors()) {
+      weights.push_back({t.name, "F32", t.shape, params.data() + t.offset, t.numel * sizeof(float)});
+      st.push_back({"momentum." + t.name, "F32", t.shape, momentum.data() + t.offset, t.numel * sizeof(float)});
+    }
+    const std::vector<Fp8Meta> metas = to_host(model.fp8_metas(), model.fp8_meta_count(), stream);
+    const std::vector<int> counters = to_host(model.fp8_skip_counters(), metas.empty() ? 0 : 2, stream);
+    const std::vector<int64_t> shape = run_shape(model.config(), opts, world);
+    const int64_t step = state.step;
+    const float loss_sum = state.epoch_loss_sum;
+    st.push_back({"run.shape", "I64", {static_cast<int64_t>(shape.size())}, shape.data(), shape.size() * 8});
+    st.push_back({"run.step", "I64", {1}, &step, 8});
+    st.push_back({"run.epoch_loss_sum", "F32", {1}, &loss_sum, 4});
+    if (!metas.empty()) {
+      st.push_back({"fp8.metas", "U8", {static_cast<int64_t>(metas.size() * sizeof(Fp8Meta))}, metas.data(),
+                    metas.size() * sizeof(Fp8Meta)});
+      st.push_back({"fp8.skipped", "I32", {2}, counters.data(), 8});
+    }
+    write_safetensors((tmp / "model.safetensors").string(), weights);
+    write_safetensors((tmp / "state.safetensors").string(), st);
+    std::string text = "step " + std::to_string(state.step) + "\nmodel " + model.config().describe() + "\nprecision " +
+                       opts.precision + "\nbatch " + std::to_string(opts.batch) + " per rank, " + std::to_string(world) +
+                       " rank(s)\nseed " + std::to_string(opts.seed) + "\n";
+    write_text_file((tmp / "run.txt").string(), text);
+    fsync_path(tmp.string(), true);
+    if (fs::exists(final_path)) fs::remove_all(final_path);  // the same step saved again
+    fs::rename(tmp, final_path);
+    fsync_path(dir, true);
+  } catch (const fs::filesystem_error& e) {
+    fs::remove_all(tmp, ec);
+    throw RuntimeError("cannot save the checkpoint " + final_path.string() + ": " + e.what());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  const std::vector<fs::path> all = checkpoints_in(dir);
+  for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i], ec);
+}
+
+std::string latest_checkpoint(const std::string& dir) {
+  if (is_checkpoint(dir)) return dir;
+  if (!fs::is_directory(dir)) throw RuntimeError("--resume " + dir + ": no such directory");
+  const std::vector<fs::path> all = checkpoints_in(dir);
+  if (all.empty()) throw RuntimeError("--resume " + dir + ": no checkpoint (" + kPrefix + "* with model.safetensors and state.safetensors) in it");
+  return all.back().string();
+}
+
+CheckpointState load_checkpoint(const std::string& path, ViT& model, const TrainOptions& opts, int world,
+                                cudaStream_t stream) {
+  const SafetensorsFile st((fs::path(path) / "state.safetensors").string());
+  const SafetensorsFile weights((fs::path(path) / "model.safetensors").string());
+  const std::vector<int64_t> want = run_shape(model.config(), opts, world);
+  const SafetensorsFile::Entry* shape = st.find("run.shape");
+  if (!shape || shape->dtype != "I64" || shape->shape != std::vector<int64_t>{static_cast<int64_t>(want.size())})
+    throw RuntimeError(st.path() + " has no valid run.shape: not a checkpoint of this engine");
+  std::vector<int64_t> have(want.size());
+  std::memcpy(have.data(), st.data(*shape), have.size() * 8);
+  for (size_t i = 0; i < want.size(); ++i)
+    if (have[i] != want[i] && i < 9)  // the model and the precision must match
+      throw UsageError("--resume " + path + ": the checkpoint is for " + kShapeNames[i] + " " + std::to_string(have[i]) +
+                       ", this run has " + std::to_string(want[i]));
+  for (size_t i = 9; i < want.size(); ++i)
+    if (have[i] != want[i])
+      std::fprintf(stderr, "vit_train: note: the checkpoint ran with %s %lld, this run has %lld: the loss sequence "
+                   "will differ from the uninterrupted run's\n", kShapeNames[i], static_cast<long long>(have[i]),
+                   static_cast<long long>(want[i]));
+
+  const ParamLayout& layout = model.layout();
+  std::vector<float> params(layout.total(), 0.0f), momentum(layout.total(), 0.0f);
+  for (const ParamTensor& t : layout.tensors()) {
+    const std::vector<float> w = weights.as_f32(t.name, t.shape), m = st.as_f32("momentum." + t.name, t.shape);
+    std::copy(w.begin(), w.end(), params.begin() + t.offset);
+    std::copy(m.begin(), m.end(), momentum.begin() + t.offset);
+  }
+  copy_to_device(model.params(), params, stream);
+  copy_to_device(model.momentum(), momentum, stream);
+
+  if (model.fp8_meta_count() > 0) {
+    const SafetensorsFile::Entry* metas = st.find("fp8.metas");
+    const SafetensorsFile::Entry* skipped = st.find("fp8.skipped");
+    const size_t bytes = model.fp8_meta_count() * sizeof(Fp8Meta);
+    if (!metas || metas->bytes != bytes || !skipped || skipped->bytes != 8)
+      throw RuntimeError(st.path() + " has no FP8 scaling state of this model's size");
+    CUDA_CHECK(cudaMemcpyAsync(model.fp8_metas(), st.data(*metas), bytes, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemcpyAsync(model.fp8_skip_counters(), st.data(*skipped), 8, cudaMemcpyHostToDevice, stream));
+  }
+  model.refresh_weight_copies(stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  CheckpointState state;
+  const SafetensorsFile::Entry* step = st.find("run.step");
+  const SafetensorsFile::Entry* loss = st.find("run.epoch_loss_sum");
+  if (!step || step->bytes != 8 || !loss || loss->bytes != 4) throw RuntimeError(st.path() + " has no run.step");
+  int64_t s = 0;
+  std::memcpy(&s, st.data(*step), 8);
+  std::memcpy(&state.epoch_loss_sum, st.data(*loss), 4);
+  state.step = static_cast<int>(s);
+  return state;
+}
+
+void load_timm_weights(const std::string& file, ViT& model, cudaStream_t stream) {
+  const SafetensorsFile f(file);
+  const ParamLayout& layout = model.layout();
+  std::vector<float> params(layout.total(), 0.0f);
+  std::vector<std::string> missing;
+  for (const ParamTensor& t : layout.tensors()) {
+    if (!f.find(t.name)) {
+      missing.push_back(t.name);
+      continue;
+    }
+    if (t.name == "head.weight" && f.find(t.name)->shape != t.shape)
+      throw UsageError("--init-from " + file + ": its head has " + std::to_string(f.find(t.name)->shape.at(0)) +
+                       " classes, this model " + std::to_string(model.config().classes) + " (--classes)");
+    const std::vector<float> w = f.as_f32(t.name, t.shape);
+    std::copy(w.begin(), w.end(), params.begin() + t.offset);
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& [name, e] : f.tensors())
+    if (layout.find(name) < 0) unexpected.push_back(name);
+  if (!missing.empty() || !unexpected.empty()) {
+    std::string msg = "--init-from " + file + " does not match this model (timm's strict load):";
+    if (!missing.empty()) msg += " " + std::to_string(missing.size()) + " missing, e.g. " + missing[0] + ";";
+    if (!unexpected.empty()) msg += " " + std::to_string(unexpected.size()) + " unexpected, e.g. " + unexpected[0] + ";";
+    throw UsageError(msg + " check --model and the shape flags");
+  }
+  copy_to_device(model.params(), params, stream);
+  CUDA_CHECK(cudaMemsetAsync(model.momentum(), 0, layout.total() * sizeof(float), stream));
+  model.refresh_weight_copies(stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void check_writable_dir(const std::string& dir, const std::string& flag) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir))
+    throw RuntimeError(flag + " " + dir + ": cannot create checkpoint directory " + dir + ": " +
+                       (ec ? ec.message() : std::string("not a directory")));
+  const std::string probe = (fs::path(dir) / ".vit_train_write_test").string();
+  std::FILE* f = std::fopen(probe.c_str(), "w");
+  if (!f) throw RuntimeError(flag + " " + dir + ": cannot write in it: " + std::strerror(errno));
+  std::fclose(f);
+  std::remove(probe.c_str());
+}

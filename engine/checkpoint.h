@@ -1,0 +1,47 @@
+// Checkpoints: a directory DIR/step-NNNNNNNN per save, written whole or not at all (files
+// written and fsynced in a hidden temporary directory, renamed into place, the parent
+// fsynced), the newest --keep kept:
+//   model.safetensors   the fp32 weights under timm's state_dict names and shapes
+//                       (timm: model.load_state_dict(safetensors.torch.load_file(...)), strict)
+//   state.safetensors   SGD momentum per tensor ("momentum.<name>"), the FP8 scaling state, the
+//                       step and the epoch's running loss, and the run's shape (to refuse a
+//                       checkpoint of another model)
+//   run.txt             the same facts for a person to read
+// The data position is the step: synthetic batches and each epoch's shuffle are functions of
+// (seed, step), so a resumed run sees the batches an uninterrupted one would.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "engine/cli.h"
+#include "model/vit.h"
+
+struct CheckpointState {
+  int step = 0;            // steps done; the next one to run
+  float epoch_loss_sum = 0;  // the running epoch's summed loss, for its mean
+};
+
+// Saves after `state.step` steps into dir (created if needed); removes all but the newest
+// `keep` checkpoints. Synchronises the stream. Throws RuntimeError naming the path and the cause
+// (a full disk, no permission); a failed save leaves every earlier checkpoint as it was.
+void save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, ViT& model,
+                     const TrainOptions& opts, int world, cudaStream_t stream);
+
+// The newest complete checkpoint under dir (dir itself if it is one); throws if there is none.
+std::string latest_checkpoint(const std::string& dir);
+
+// Loads weights, momentum and FP8 state into the model (and refreshes its bf16/FP8 copies).
+// Throws UsageError if the checkpoint belongs to another model shape or precision, RuntimeError
+// if it is missing, truncated or corrupted.
+CheckpointState load_checkpoint(const std::string& path, ViT& model, const TrainOptions& opts, int world,
+                                cudaStream_t stream);
+
+// Starts from a timm safetensors file (e.g. a pretrained model): every tensor of the model must
+// be there with its shape, in F32, BF16 or F16, and nothing else (timm's strict load). Momentum
+// starts at zero.
+void load_timm_weights(const std::string& file, ViT& model, cudaStream_t stream);
+
+// Creates dir if needed and checks that a file can be written in it; throws RuntimeError
+// ("<flag> DIR: cause") otherwise. Used up front, so that a run does not end unable to save.
+void check_writable_dir(const std::string& dir, const std::string& flag);

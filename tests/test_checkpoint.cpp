@@ -1,0 +1,231 @@
+// Checkpoints. CPU tier: safetensors read back what was written (F32, BF16, F16), every damaged
+// file named clearly, the newest complete checkpoint found. GPU tier: a run interrupted and
+// resumed gives the uninterrupted run's losses bit for bit (bf16 and fp8, cosine schedule); the
+// newest K are kept; bad checkpoints and timm files are refused with a clear message.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/check.h"
+#include "engine/checkpoint.h"
+#include "engine/safetensors.h"
+#include "tests/harness.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+fs::path temp_dir(const std::string& tag) {
+  const fs::path p = fs::temp_directory_path() / ("vit_ckpt_" + tag + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+std::string read_error(const std::string& path) {
+  try {
+    SafetensorsFile f(path);
+  } catch (const RuntimeError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+void write_bytes(const std::string& path, const std::string& b) {
+  std::ofstream out(path, std::ios::binary);
+  out << b;
+}
+}  // namespace
+
+TEST_CASE("safetensors: what is written reads back, in F32, BF16 and F16; shapes are checked") {
+  const fs::path d = temp_dir("st");
+  const std::vector<float> a = {1.5f, -2.25f, 3.0f, 0.0f, 1e-3f, 7.0f};
+  const std::vector<uint16_t> b = {0x3fc0, 0xc010};  // bf16 1.5, -2.25
+  const std::vector<uint16_t> h = {0x3e00, 0xc080};  // f16 1.5, -2.25
+  const std::string path = (d / "x.safetensors").string();
+  write_safetensors(path, {{"blocks.0.attn.qkv.weight", "F32", {2, 3}, a.data(), 24},
+                           {"b", "BF16", {2}, b.data(), 4},
+                           {"h", "F16", {2}, h.data(), 4}});
+  const SafetensorsFile f(path);
+  CHECK(f.tensors().size() == 3);
+  CHECK(f.as_f32("blocks.0.attn.qkv.weight", {2, 3}) == a);
+  CHECK(f.as_f32("b", {2}) == std::vector<float>{1.5f, -2.25f});
+  CHECK(f.as_f32("h", {2}) == std::vector<float>{1.5f, -2.25f});
+  std::string err;
+  try {
+    f.as_f32("b", {3});
+  } catch (const RuntimeError& e) {
+    err = e.what();
+  }
+  CHECK(err.find("has shape [2], the model needs [3]") != std::string::npos);
+  fs::remove_all(d);
+}
+
+TEST_CASE("safetensors: missing, truncated and corrupted files are named, never read past their end") {
+  const fs::path d = temp_dir("bad");
+  const std::vector<float> a(100, 1.0f);
+  const std::string good = (d / "good.safetensors").string();
+  write_safetensors(good, {{"w", "F32", {100}, a.data(), 400}});
+  const std::string bytes = file_bytes(good);
+  CHECK(read_error((d / "none.safetensors").string()).find("cannot open") != std::string::npos);
+  const std::string p = (d / "bad.safetensors").string();
+  write_bytes(p, bytes.substr(0, bytes.size() - 10));  // truncated data
+  CHECK(read_error(p).find("outside the file") != std::string::npos);
+  write_bytes(p, bytes.substr(0, 20));  // truncated header
+  CHECK(read_error(p).find("truncated") != std::string::npos);
+  write_bytes(p, "abc");
+  CHECK(read_error(p).find("shorter than") != std::string::npos);
+  std::string corrupt = bytes;
+  corrupt[8] = '#';  // the JSON header's opening brace
+  write_bytes(p, corrupt);
+  CHECK(read_error(p).find("not a valid safetensors file") != std::string::npos);
+  fs::remove_all(d);
+}
+
+TEST_CASE("checkpoint: the newest complete checkpoint is found; half-written ones are not") {
+  const fs::path d = temp_dir("latest");
+  for (const char* name : {"step-00000010", "step-00000020", ".step-00000030.tmp", "step-00000040"}) {
+    fs::create_directories(d / name);
+    if (std::string(name) != "step-00000040") {  // 40 lacks its state file: incomplete
+      write_bytes((d / name / "model.safetensors").string(), "x");
+      write_bytes((d / name / "state.safetensors").string(), "x");
+    } else {
+      write_bytes((d / name / "model.safetensors").string(), "x");
+    }
+  }
+  CHECK(latest_checkpoint(d.string()) == (d / "step-00000020").string());
+  CHECK(latest_checkpoint((d / "step-00000010").string()) == (d / "step-00000010").string());
+  std::string err;
+  try {
+    latest_checkpoint((d / "nothing").string());
+  } catch (const RuntimeError& e) {
+    err = e.what();
+  }
+  CHECK(err.find("no such directory") != std::string::npos);
+  fs::remove_all(d);
+}
+
+// ---- GPU tier ----
+namespace {
+struct Run {
+  int code = -1;
+  std::string out;
+};
+Run shell(const std::string& cmd) {
+  Run r;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  REQUIRE(p);
+  char buf[4096];
+  size_t got;
+  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, got);
+  const int st = ::pclose(p);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+std::vector<std::pair<int, double>> step_losses(const std::string& out) {
+  std::vector<std::pair<int, double>> v;
+  std::istringstream in(out);
+  std::string line;
+  while (std::getline(in, line)) {
+    int step = 0, steps = 0;
+    double loss = 0;
+    if (std::sscanf(line.c_str(), " %d/%d %lf", &step, &steps, &loss) == 3) v.emplace_back(step, loss);
+  }
+  return v;
+}
+const std::string kSmall = "./vit_train --img 32 --patch 8 --channels 3 --classes 10 --dim 64 --depth 2 --heads 4 "
+                           "--batch 16 --lr 0.05 --lr-schedule cosine --warmup-steps 3 --steps 20 --warmup 2 "
+                           "--log-every 1 --no-gemm-autotune";
+}  // namespace
+
+TEST_CASE("gpu: an interrupted run resumed from its checkpoint gives the uninterrupted run's losses") {
+  SKIP_WITHOUT_GPU();
+  for (const char* precision : {"bf16", "fp8"}) {
+    CAPTURE(precision);
+    const fs::path d = temp_dir(std::string("resume_") + precision);
+    const std::string args = kSmall + " --precision " + precision;
+    const Run whole = shell(args);
+    // Killed (a failure injected) at the start of step 11, after the checkpoint of step 10.
+    const Run first = shell("VIT_TRAIN_TEST_FAIL=0:10 " + args + " --save " + d.string() + " --save-every 5 --keep 2");
+    const Run rest = shell(args + " --resume " + d.string());
+    CAPTURE(whole.out);
+    CAPTURE(first.out);
+    CAPTURE(rest.out);
+    REQUIRE(whole.code == 0);
+    REQUIRE(first.code == 1);
+    REQUIRE(rest.code == 0);
+    CHECK(fs::exists(d / "step-00000010" / "model.safetensors"));
+    CHECK(fs::exists(d / "step-00000005"));  // --keep 2: 5 and 10
+    const auto a = step_losses(whole.out), b = step_losses(rest.out);
+    REQUIRE(a.size() == 20);
+    REQUIRE(b.size() == 10);
+    for (int i = 0; i < 10; ++i) {
+      CAPTURE(i);
+      CHECK(b[i].first == a[10 + i].first);
+      CHECK(b[i].second == a[10 + i].second);
+    }
+    // The checkpoint's weights are the run's: every tensor under timm's name.
+    const SafetensorsFile m((d / "step-00000010" / "model.safetensors").string());
+    CHECK(m.find("blocks.1.mlp.fc2.weight") != nullptr);
+    CHECK(m.tensors().size() == 32);
+    fs::remove_all(d);
+  }
+}
+
+TEST_CASE("gpu: the newest K checkpoints are kept; bad checkpoints and timm files are refused clearly") {
+  SKIP_WITHOUT_GPU();
+  const fs::path d = temp_dir("keep");
+  const Run saved = shell(kSmall + " --steps 10 --save " + d.string() + " --save-every 2 --keep 3");
+  CAPTURE(saved.out);
+  REQUIRE(saved.code == 0);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(d)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"step-00000006", "step-00000008", "step-00000010"});
+
+  // Another model: refused, exit 2, the difference named.
+  Run other = shell(kSmall + " --dim 128 --resume " + d.string());
+  CHECK(other.code == 2);
+  CHECK(other.out.find("the checkpoint is for dim 64, this run has 128") != std::string::npos);
+  // Nothing left to run.
+  Run done = shell(kSmall + " --steps 10 --resume " + d.string());
+  CHECK(done.code == 2);
+  CHECK(done.out.find("nothing is left to run") != std::string::npos);
+  // A truncated state file: exit 1, the file named; the other checkpoints untouched.
+  const std::string state = (d / "step-00000010" / "state.safetensors").string();
+  const std::string bytes = file_bytes(state);
+  write_bytes(state, bytes.substr(0, bytes.size() / 2));
+  Run truncated = shell(kSmall + " --steps 12 --resume " + d.string());
+  CHECK(truncated.code == 1);
+  CHECK(truncated.out.find("state.safetensors") != std::string::npos);
+  CHECK(fs::file_size(d / "step-00000008" / "state.safetensors") > 0);
+
+  // --init-from: a checkpoint's model file is a timm file; a model it does not fit is refused.
+  const std::string weights = (d / "step-00000008" / "model.safetensors").string();
+  Run init = shell(kSmall + " --steps 2 --init-from " + weights);
+  CHECK(init.code == 0);
+  Run classes = shell(kSmall + " --steps 2 --classes 12 --init-from " + weights);
+  CHECK(classes.code == 2);
+  CHECK(classes.out.find("its head has 10 classes, this model 12") != std::string::npos);
+  Run depth = shell(kSmall + " --steps 2 --depth 3 --init-from " + weights);
+  CHECK(depth.code == 2);
+  CHECK(depth.out.find("missing, e.g. blocks.2.norm1.weight") != std::string::npos);
+  // A save that cannot be written: exit 1, named.
+  Run unwritable = shell(kSmall + " --steps 2 --save /dev/null/ckpt");
+  CHECK(unwritable.code == 1);
+  CHECK(unwritable.out.find("cannot create checkpoint directory /dev/null/ckpt") != std::string::npos);
+  fs::remove_all(d);
+}
