@@ -68,6 +68,8 @@ std::string usage() {
          "  --lr X (0.001)  --momentum X (0.9)  --weight-decay X (0, L2 added to the gradient)  --nesterov\n"
          "  --lr-schedule S        constant (default) or cosine (decaying to zero at the end of the run)\n"
          "  --warmup-steps N       linear learning-rate warm-up over the first N steps (default 0)\n"
+         "  --clip-grad X          clip the gradients' global L2 norm to X (torch.nn.utils.clip_grad_norm_)\n"
+         "  --label-smoothing X    cross-entropy against (1 - X) onehot + X / classes (default 0)\n"
          "output and profiling:\n"
          "  --log-every N          print a progress line every N steps (default 10)\n"
          "  --timing               per-phase and per-op-kind CUDA-event breakdown (synchronises each step)\n"
@@ -151,6 +153,8 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--lr", [&](const std::string& f, const std::string& v) { o.lr = parse_double(f, v, 0, 1e3); }},
       {"--momentum", [&](const std::string& f, const std::string& v) { o.momentum = parse_double(f, v, 0, 0.999999); }},
       {"--weight-decay", [&](const std::string& f, const std::string& v) { o.weight_decay = parse_double(f, v, 0, 1e3); }},
+      {"--clip-grad", [&](const std::string& f, const std::string& v) { o.clip_grad = parse_double(f, v, 1e-6, 1e9); }},
+      {"--label-smoothing", [&](const std::string& f, const std::string& v) { o.label_smoothing = parse_double(f, v, 0, 0.999); }},
       {"--log-every", [&](const std::string& f, const std::string& v) { o.log_every = parse_int(f, v, 1, 1 << 30); }},
       {"--peak-tflops", [&](const std::string& f, const std::string& v) { o.peak_tflops = parse_double(f, v, 1e-3, 1e6); }},
       {"--save", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a directory"); o.save_dir = v; }},

@@ -28,6 +28,8 @@ struct TrainOptions {
   int eval_every = 0;              // steps between test-set evaluations; 0: at each epoch's end
   double lr = 0.001, momentum = 0.9, weight_decay = 0.0;
   bool nesterov = false;
+  double clip_grad = 0;        // clip the gradients' global L2 norm to this (0: off)
+  double label_smoothing = 0;  // PyTorch's CrossEntropyLoss(label_smoothing=...)
   std::string lr_schedule = "constant";  // or "cosine"
   int warmup_steps = 0;                  // linear learning-rate warm-up
   int log_every = 10;

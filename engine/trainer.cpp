@@ -126,6 +126,11 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth);  // ~16 scopes a block, ~31 in fp8
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(&scalar_, sizeof(float)));
+  if (opts_.clip_grad > 0) {  // the gradients' global norm, for clipping
+    CUDA_CHECK(cudaMalloc(&grad_norm_, sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&norm_partial_, l2_norm_partial_floats() * sizeof(float)));
+  }
+  model_->set_label_smoothing(static_cast<float>(opts_.label_smoothing));
   CUDA_CHECK(cudaMalloc(&checksums_, ctx_.world * sizeof(unsigned long long)));
   if (ctx_.comm) {
     if (staging) CUDA_CHECK(cudaMalloc(&reduce_staging_, staging * sizeof(__nv_bfloat16)));
@@ -142,7 +147,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     test_loader_ = std::make_unique<DataLoader>(dataset_->test, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
                                                 false, opts_.seed);
     CUDA_CHECK(cudaMalloc(&loss_sum_, sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&correct_, sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&correct_, 2 * sizeof(int)));
     CUDA_CHECK(cudaMemset(loss_sum_, 0, sizeof(float)));
   }
   model_->init_params(opts_.seed, stream_);
@@ -214,6 +219,8 @@ Trainer::~Trainer() {
   cudaFree(loss_sum_);
   cudaFree(correct_);
   cudaFree(scalar_);
+  cudaFree(grad_norm_);
+  cudaFree(norm_partial_);
   cudaFree(checksums_);
   cudaFree(reduce_staging_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -327,30 +334,33 @@ void Trainer::optimizer_step(int step) {
   auto phase = timer_->phase(Phase::Optimizer, stream_);
   {
     auto t = timer_->op(OpKind::Optimizer, stream_);
-    const SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
-                     static_cast<float>(opts_.weight_decay), opts_.nesterov};
+    SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
+               static_cast<float>(opts_.weight_decay), opts_.nesterov};
+    h.max_grad_norm = static_cast<float>(opts_.clip_grad);
+    if (grad_norm_) l2_norm(model_->grads(), model_->layout().total(), norm_partial_, grad_norm_, stream_);
     sgd_momentum_step(model_->params(), model_->momentum(), model_->grads(), model_->params_bf16(),
-                      model_->layout().total(), h, step == 0, stream_, model_->fp8_step_non_finite());
+                      model_->layout().total(), h, step == 0, stream_, model_->fp8_step_non_finite(), grad_norm_);
   }
   model_->cast_fp8_weights(stream_, timer_.get());  // the next forward's FP8 weights
 }
 
-double Trainer::evaluate() {
+Trainer::Accuracy Trainer::evaluate() {
   NvtxRange range("evaluation");
   OpTimer untimed(false);
   model_->set_fp8_recording(false);
-  CUDA_CHECK(cudaMemsetAsync(correct_, 0, sizeof(int), stream_));
+  CUDA_CHECK(cudaMemsetAsync(correct_, 0, 2 * sizeof(int), stream_));
   for (int i = ctx_.rank; i < test_loader_->batches_per_epoch(); i += ctx_.world) {  // this rank's share
     const int real = test_loader_->load(0, i, model_->images(), model_->labels(), stream_);
     model_->forward(stream_, *gemm_, untimed);
-    count_correct(model_->logits(), model_->logits_ld(), opts_.model.classes, model_->labels(), real, correct_, stream_);
+    count_top_k(model_->logits(), model_->logits_ld(), opts_.model.classes, model_->labels(), real, 1, 5, correct_,
+                stream_);
   }
   model_->set_fp8_recording(true);
-  if (ctx_.comm) ctx_.comm->all_reduce(correct_, 1, ncclInt32, ncclSum, stream_, stream_);
-  int correct = 0;
-  CUDA_CHECK(cudaMemcpyAsync(&correct, correct_, sizeof(int), cudaMemcpyDeviceToHost, stream_));
+  if (ctx_.comm) ctx_.comm->all_reduce(correct_, 2, ncclInt32, ncclSum, stream_, stream_);
+  int correct[2] = {0, 0};
+  CUDA_CHECK(cudaMemcpyAsync(correct, correct_, sizeof correct, cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return static_cast<double>(correct) / dataset_->test.count;
+  return {static_cast<double>(correct[0]) / dataset_->test.count, static_cast<double>(correct[1]) / dataset_->test.count};
 }
 
 // After a step on real data: at an epoch's end (or the run's, inside an epoch), the epoch's
@@ -361,23 +371,26 @@ void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epoc
   const bool last = step + 1 == opts_.steps, epoch_end = (step + 1) % per_epoch == 0 || last;
   const int steps_in_epoch = (step + 1) % per_epoch == 0 ? per_epoch : (step + 1) % per_epoch;
   const bool eval_now = opts_.eval_every > 0 ? ((step + 1) % opts_.eval_every == 0 || last) : epoch_end;
-  double train_loss = NAN, top1 = NAN;
+  double train_loss = NAN;
+  Accuracy acc{NAN, NAN};
   if (epoch_end) {
     const float sum = mean_over_ranks(loss_sum_);  // each rank's sum of its batches' mean losses
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, sizeof(float), stream_));
     train_loss = sum / steps_in_epoch;
   }
   if (eval_now) {
-    top1 = evaluate();
-    if (ctx_.logs()) std::printf("  eval after step %d (epoch %.2f): test top-1 %.2f%% of %d images, lr %.4g\n", step + 1,
-                (step + 1) / static_cast<double>(per_epoch), 100 * top1, dataset_->test.count, schedule_.at(step));
-    char j[160];
-    std::snprintf(j, sizeof j, "\"step\": %d, \"epoch\": %.4f, \"eval_top1\": %.6f", step + 1,
-                  (step + 1) / static_cast<double>(per_epoch), top1);
+    acc = evaluate();
+    if (ctx_.logs())
+      std::printf("  eval after step %d (epoch %.2f): test top-1 %.2f%%, top-5 %.2f%% of %d images, lr %.4g\n", step + 1,
+                  (step + 1) / static_cast<double>(per_epoch), 100 * acc.top1, 100 * acc.top5, dataset_->test.count,
+                  schedule_.at(step));
+    char j[200];
+    std::snprintf(j, sizeof j, "\"step\": %d, \"epoch\": %.4f, \"eval_top1\": %.6f, \"eval_top5\": %.6f", step + 1,
+                  (step + 1) / static_cast<double>(per_epoch), acc.top1, acc.top5);
     log_json(j);
   }
   if (epoch_end) {
-    epochs.push_back({step / per_epoch + 1, steps_in_epoch, train_loss, top1});
+    epochs.push_back({step / per_epoch + 1, steps_in_epoch, train_loss, acc.top1, acc.top5});
     if (ctx_.logs()) std::printf("  epoch %d done (%d steps): mean training loss %.4f\n", epochs.back().epoch, steps_in_epoch,
                 train_loss);
   }
@@ -464,7 +477,13 @@ void Trainer::train() {
         std::snprintf(j, sizeof j, "\"step\": %d, \"loss\": %.6g, \"lr\": %.6g, \"ms_per_step\": %.4f, "
                       "\"images_per_s\": %.2f, \"tflops_per_gpu\": %.2f", step + 1, loss, schedule_.at(step), ms,
                       global_batch / (ms * 1e-3), tflops);
-        log_json(j);
+        std::string fields = j;
+        if (grad_norm_) {
+          float norm = 0;
+          CUDA_CHECK(cudaMemcpy(&norm, grad_norm_, sizeof norm, cudaMemcpyDeviceToHost));
+          fields += ", \"grad_norm\": " + std::to_string(norm);
+        }
+        log_json(fields);
         if (opts_.fp8_stats) std::printf("%s", model_->fp8_stats_table(stream_).c_str());
         std::fflush(stdout);
       }
@@ -493,12 +512,12 @@ void Trainer::train() {
       save(step + 1);
   }
   if (!epochs.empty() && logs) {
-    std::printf("\n%7s %7s %12s %12s\n", "epoch", "steps", "train loss", "test top-1");
+    std::printf("\n%7s %7s %12s %12s %12s\n", "epoch", "steps", "train loss", "test top-1", "test top-5");
     for (const EpochResult& e : epochs) {
       if (std::isnan(e.top1))
-        std::printf("%7d %7d %12.4f %12s\n", e.epoch, e.steps, e.train_loss, "-");
+        std::printf("%7d %7d %12.4f %12s %12s\n", e.epoch, e.steps, e.train_loss, "-", "-");
       else
-        std::printf("%7d %7d %12.4f %11.2f%%\n", e.epoch, e.steps, e.train_loss, 100 * e.top1);
+        std::printf("%7d %7d %12.4f %11.2f%% %11.2f%%\n", e.epoch, e.steps, e.train_loss, 100 * e.top1, 100 * e.top5);
     }
   }
   for (int i = 0; i < window; ++i) {

@@ -40,9 +40,12 @@ class Trainer {
 
   // The whole run: progress lines, evaluations, the summary and the final RESULT line.
   void train();
-  // Top-1 accuracy on the dataset's test split, in the training precision (each rank takes a
-  // share of the batches; the counts are summed).
-  double evaluate();
+  // Top-1 and top-5 accuracy on the dataset's test split, in the training precision (each rank
+  // takes a share of the batches; the counts are summed).
+  struct Accuracy {
+    double top1, top5;
+  };
+  Accuracy evaluate();
   // The master weights' checksum, gathered from every rank (rank order).
   std::vector<unsigned long long> weight_checksums();
 
@@ -58,7 +61,7 @@ class Trainer {
  private:
   struct EpochResult {
     int epoch, steps;         // steps < an epoch's for a run that ends inside one
-    double train_loss, top1;  // top1 NaN where no evaluation fell on the epoch's end
+    double train_loss, top1, top5;  // NaN where no evaluation fell on the epoch's end
   };
   void print_summary() const;
   // --save: a checkpoint after `steps_done` steps (every rank takes part; rank 0 writes).
@@ -92,7 +95,8 @@ class Trainer {
   std::unique_ptr<FashionMnist> dataset_;
   std::unique_ptr<DataLoader> train_loader_, test_loader_;
   float* loss_sum_ = nullptr;  // device: the epoch's summed training loss
-  int* correct_ = nullptr;     // device: an evaluation's correct count
+  int* correct_ = nullptr;     // device: an evaluation's top-1 and top-5 counts
+  float *grad_norm_ = nullptr, *norm_partial_ = nullptr;  // --clip-grad
 };
 
 // Returns the dense bf16 peak in TFLOP/s of a known GPU, or 0.

@@ -11,23 +11,22 @@ __global__ void normalize_kernel(const uint8_t* __restrict__ in, float* __restri
     out[i] = (in[i] * (1.0f / 255.0f) - mean) * inv_std;
 }
 
-// A warp per row: arg max with the lowest index on ties.
-__global__ void count_correct_kernel(const float* __restrict__ logits, int ld, int C, const int* __restrict__ labels,
-                                     int n_valid, int* correct) {
+// A warp per row: the label's rank = the classes ranked above it (a larger logit, or an equal
+// one at a lower index: torch.argmax's tie rule); correct for each k of ks with rank < k.
+__global__ void count_top_k_kernel(const float* __restrict__ logits, int ld, int C, const int* __restrict__ labels,
+                                   int n_valid, int k0, int k1, int* correct) {
   const int row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= n_valid) return;
-  float best = -INFINITY;
-  int arg = C;
-  for (int c = lane; c < C; c += 32) {
-    const float v = logits[static_cast<size_t>(row) * ld + c];
-    if (v > best) { best = v; arg = c; }  // c rises within a lane: the first maximum stays
+  const float* z = logits + static_cast<size_t>(row) * ld;
+  const int label = labels[row];
+  const float zl = z[label];
+  int above = 0;
+  for (int c = lane; c < C; c += 32) above += z[c] > zl || (z[c] == zl && c < label);
+  for (int o = 16; o > 0; o >>= 1) above += __shfl_xor_sync(0xffffffffu, above, o);
+  if (lane == 0) {
+    if (above < k0) atomicAdd(correct, 1);
+    if (above < k1) atomicAdd(correct + 1, 1);
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
-    if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
-  }
-  if (lane == 0 && arg == labels[row]) atomicAdd(correct, 1);
 }
 
 __global__ void accumulate_kernel(const float* value, float* sum) { *sum += *value; }
@@ -39,11 +38,11 @@ void normalize_pixels(const uint8_t* in, float* out, size_t n, float mean, float
   LAUNCH_CHECK();
 }
 
-void count_correct(const float* logits, int ld, int C, const int* labels, int n_valid, int* correct,
-                   cudaStream_t stream) {
+void count_top_k(const float* logits, int ld, int C, const int* labels, int n_valid, int k0, int k1, int* correct,
+                 cudaStream_t stream) {
   if (n_valid == 0) return;
-  count_correct_kernel<<<grid_for(n_valid, kThreads / 32), kThreads, 0, stream>>>(logits, ld, C, labels, n_valid,
-                                                                                  correct);
+  count_top_k_kernel<<<grid_for(n_valid, kThreads / 32), kThreads, 0, stream>>>(logits, ld, C, labels, n_valid, k0,
+                                                                                k1, correct);
   LAUNCH_CHECK();
 }
 

@@ -3,7 +3,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-// logits [B, ld] fp32 (C classes used); loss = mean_b -log softmax(logits_b)[label_b];
-// dlogits [B, ld] bf16 = (softmax - onehot) / B, its padding columns zeroed; row_loss [B] scratch.
+// logits [B, ld] fp32 (C classes used); loss = mean_b of the cross-entropy of softmax(logits_b)
+// against the target (1 - smoothing) onehot(label_b) + smoothing / C (PyTorch's CrossEntropyLoss
+// with label_smoothing); dlogits [B, ld] bf16 = (softmax - target) / B, its padding columns
+// zeroed; row_loss [B] scratch.
 void softmax_xent(const float* logits, const int* labels, int B, int C, int ld, float* row_loss,
-                  float* loss, __nv_bfloat16* dlogits, cudaStream_t stream);
+                  float* loss, __nv_bfloat16* dlogits, cudaStream_t stream, float smoothing = 0.0f);

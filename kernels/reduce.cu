@@ -94,3 +94,43 @@ void checksum(const float* x, size_t n, unsigned long long* out, cudaStream_t st
   checksum_kernel<<<grid_stride_blocks(n, 256), 256, 0, stream>>>(x, n, out);
   LAUNCH_CHECK();
 }
+
+namespace {
+constexpr int kNormBlocks = 1024, kNormThreads = 256;
+__global__ void sum_squares_kernel(const float* __restrict__ x, size_t n, float* __restrict__ partial) {
+  float s = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    s = fmaf(x[i], x[i], s);
+  __shared__ float w[kNormThreads / 32];
+  s = warp_sum(s);
+  if (threadIdx.x % 32 == 0) w[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0;
+    for (int i = 0; i < kNormThreads / 32; ++i) t += w[i];
+    partial[blockIdx.x] = t;
+  }
+}
+__global__ void sqrt_sum_kernel(const float* __restrict__ partial, int n, float* __restrict__ out) {
+  __shared__ float w[kNormThreads / 32];
+  float s = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += partial[i];
+  s = warp_sum(s);
+  if (threadIdx.x % 32 == 0) w[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0;
+    for (int i = 0; i < kNormThreads / 32; ++i) t += w[i];
+    *out = sqrtf(t);
+  }
+}
+}  // namespace
+
+size_t l2_norm_partial_floats() { return kNormBlocks; }
+
+void l2_norm(const float* x, size_t n, float* partial, float* out, cudaStream_t stream) {
+  sum_squares_kernel<<<kNormBlocks, kNormThreads, 0, stream>>>(x, n, partial);
+  LAUNCH_CHECK();
+  sqrt_sum_kernel<<<1, kNormThreads, 0, stream>>>(partial, kNormBlocks, out);
+  LAUNCH_CHECK();
+}

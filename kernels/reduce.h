@@ -15,3 +15,7 @@ void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream
 // *out = a 64-bit hash of x's bit patterns and positions (order-independent sum of mixed
 // words: the same on any launch shape): equal weights on two ranks give equal checksums.
 void checksum(const float* x, size_t n, unsigned long long* out, cudaStream_t stream);
+// *out = the L2 norm of x[0..n) (fp32, a fixed two-stage order: deterministic), through partial
+// (l2_norm_partial_floats()); the global gradient norm for clipping.
+void l2_norm(const float* x, size_t n, float* partial, float* out, cudaStream_t stream);
+size_t l2_norm_partial_floats();

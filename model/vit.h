@@ -93,6 +93,8 @@ class ViT {
   // recipe's per tensor, the delayed recipe's once a step in end_fp8_step), and every rank
   // skips the same steps.
   void set_amax_reducer(std::function<void(float*, int, cudaStream_t)> reduce) { amax_reduce_ = std::move(reduce); }
+  // The loss's label smoothing (PyTorch's CrossEntropyLoss(label_smoothing=...)).
+  void set_label_smoothing(float s) { label_smoothing_ = s; }
   // Off for evaluation: FP8 casts use the training scales and record no amax.
   void set_fp8_recording(bool on) { fp8_recording_ = on; }
   // --fp8-stats: while on, the FP8 producers count the values that underflow to zero and that
@@ -177,6 +179,7 @@ class ViT {
   int *fp8_step_non_finite_ = nullptr, *fp8_skipped_ = nullptr;
   float* fp8_amax_scratch_ = nullptr;
   bool fp8_recording_ = true, fp8_counting_ = false;
+  float label_smoothing_ = 0.0f;
   unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting
   std::function<void(float*, int, cudaStream_t)> amax_reduce_;
   float* fp8_amax_reduce_ = nullptr;  // the step's amaxes and a bad-step flag, gathered for the reduce

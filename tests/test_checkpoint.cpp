@@ -215,16 +215,17 @@ TEST_CASE("gpu: the newest K checkpoints are kept; bad checkpoints and timm file
 
   // --init-from: a checkpoint's model file is a timm file; a model it does not fit is refused.
   const std::string weights = (d / "step-00000008" / "model.safetensors").string();
-  Run init = shell(kSmall + " --steps 2 --init-from " + weights);
+  Run init = shell(kSmall + " --steps 4 --init-from " + weights);
+  CAPTURE(init.out);
   CHECK(init.code == 0);
-  Run classes = shell(kSmall + " --steps 2 --classes 12 --init-from " + weights);
+  Run classes = shell(kSmall + " --steps 4 --classes 12 --init-from " + weights);
   CHECK(classes.code == 2);
   CHECK(classes.out.find("its head has 10 classes, this model 12") != std::string::npos);
-  Run depth = shell(kSmall + " --steps 2 --depth 3 --init-from " + weights);
+  Run depth = shell(kSmall + " --steps 4 --depth 3 --init-from " + weights);
   CHECK(depth.code == 2);
   CHECK(depth.out.find("missing, e.g. blocks.2.norm1.weight") != std::string::npos);
   // A save that cannot be written: exit 1, named.
-  Run unwritable = shell(kSmall + " --steps 2 --save /dev/null/ckpt");
+  Run unwritable = shell(kSmall + " --steps 4 --save /dev/null/ckpt");
   CHECK(unwritable.code == 1);
   CHECK(unwritable.out.find("cannot create checkpoint directory /dev/null/ckpt") != std::string::npos);
   fs::remove_all(d);

@@ -208,10 +208,28 @@ TEST_CASE("gpu: pixel normalisation, top-1 counting and the test-set loader") {
   logits[3 * ld + 9] = 0.5f;                     // right
   logits[4 * ld + 5] = 3;                        // right, but past n_valid = 4
   DeviceBuffer<float> dl(logits);
-  DeviceBuffer<int> dlab(labels), correct(1);
-  CUDA_CHECK(cudaMemset(correct.get(), 0, 4));
-  count_correct(dl.get(), ld, C, dlab.get(), 4, correct.get(), 0);
-  CHECK(correct.download()[0] == 3);
+  DeviceBuffer<int> dlab(labels), correct(2);
+  CUDA_CHECK(cudaMemset(correct.get(), 0, 8));
+  count_top_k(dl.get(), ld, C, dlab.get(), 4, 1, 2, correct.get(), 0);
+  CHECK(correct.download() == std::vector<int>{3, 4});  // the tie is second: within the top 2
+  {  // top-1 and top-5 on random rows (with ties) against a CPU ranking
+    const int R = 300, K = 37;
+    std::vector<float> z(R * K);
+    std::vector<int> lab(R);
+    for (float& v : z) v = static_cast<float>(rng() % 20);  // many ties
+    for (int& l : lab) l = static_cast<int>(rng() % K);
+    int want1 = 0, want5 = 0;
+    for (int r = 0; r < R; ++r) {
+      int above = 0;
+      for (int c = 0; c < K; ++c) above += z[r * K + c] > z[r * K + lab[r]] || (z[r * K + c] == z[r * K + lab[r]] && c < lab[r]);
+      want1 += above < 1;
+      want5 += above < 5;
+    }
+    DeviceBuffer<float> dz(z);
+    DeviceBuffer<int> dlb(lab), got(std::vector<int>{0, 0});
+    count_top_k(dz.get(), K, K, dlb.get(), R, 1, 5, got.get(), 0);
+    CHECK(got.download() == std::vector<int>{want1, want5});
+  }
 
   ImageSet set;
   set.count = 10;

@@ -189,6 +189,29 @@ TEST_CASE("gpu: softmax cross-entropy") {
   }
   CHECK(rel_error(dz_dense, dz_ref) < kBf16OutTol);
   CHECK(rel_error(padding, std::vector<double>(padding.size(), 0.0)) == 0.0);
+
+  // Label smoothing e: loss = (1 - e) CE + e mean_c(-log p_c); gradient (p - target) / B with
+  // target (1 - e) onehot + e / C (PyTorch's CrossEntropyLoss(label_smoothing=e)).
+  const double e = 0.1;
+  double loss_s = 0;
+  std::vector<double> dz_s(static_cast<size_t>(B) * C);
+  for (int b = 0; b < B; ++b) {
+    const double* zb = z_dense.data() + static_cast<size_t>(b) * C;
+    double m = -1e300, sum = 0, mean_z = 0;
+    for (int c = 0; c < C; ++c) m = std::max(m, zb[c]);
+    for (int c = 0; c < C; ++c) { sum += std::exp(zb[c] - m); mean_z += zb[c] / C; }
+    const double lse = m + std::log(sum);
+    loss_s += ((1 - e) * (lse - zb[labels[b]]) + e * (lse - mean_z)) / B;
+    for (int c = 0; c < C; ++c)
+      dz_s[static_cast<size_t>(b) * C + c] = (std::exp(zb[c] - lse) - ((c == labels[b] ? 1 - e : 0) + e / C)) / B;
+  }
+  dz.poison();
+  softmax_xent(dz_in.get(), dl.get(), B, C, ld, row_loss.get(), loss.get(), dz.get(), 0, static_cast<float>(e));
+  CHECK(std::abs(loss.download()[0] - loss_s) / loss_s < 1e-5);
+  const auto dz_s_out = to_f64(dz.download());
+  std::vector<double> dz_s_dense;
+  for (int b = 0; b < B; ++b) dz_s_dense.insert(dz_s_dense.end(), dz_s_out.begin() + b * ld, dz_s_out.begin() + b * ld + C);
+  CHECK(rel_error(dz_s_dense, dz_s) < kBf16OutTol);
 }
 
 TEST_CASE("gpu: SGD with momentum, torch.optim.SGD semantics, two steps") {
@@ -213,6 +236,25 @@ TEST_CASE("gpu: SGD with momentum, torch.optim.SGD semantics, two steps") {
       CHECK(rel_error(to_f64(dbuf.download()), buf) < 1e-6);
       CHECK(rel_error(to_f64(dpb.download()), p) < kBf16OutTol);
     }
+  }
+  {  // clipping: the gradient scaled by max_norm / (norm + 1e-6) before the step, when above
+    auto p = round_f32(random_vec(rng, n)), buf = std::vector<double>(n, 0.0);
+    const auto g = round_f32(random_vec(rng, n));
+    double norm = 0;
+    for (double v : g) norm += v * v;
+    norm = std::sqrt(norm);
+    const double max_norm = norm / 4;
+    std::vector<double> clipped(g);
+    for (double& v : clipped) v *= max_norm / (norm + 1e-6);
+    DeviceBuffer<float> dp(to_f32(p)), dbuf(n), dg(to_f32(g)), dnorm(1), partial(l2_norm_partial_floats());
+    DeviceBuffer<bf16> dpb(n);
+    l2_norm(dg.get(), n, partial.get(), dnorm.get(), 0);
+    CHECK(std::abs(dnorm.download()[0] - norm) / norm < 1e-5);
+    SgdHyper h{0.1f, 0.9f, 0.0f, false};
+    h.max_grad_norm = static_cast<float>(max_norm);
+    ref::sgd_step(p, buf, clipped, 0.1, 0.9, 0.0, false, true);
+    sgd_momentum_step(dp.get(), dbuf.get(), dg.get(), dpb.get(), n, h, true, 0, nullptr, dnorm.get());
+    CHECK(rel_error(to_f64(dp.download()), p) < 1e-6);
   }
 }
 
