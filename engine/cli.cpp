@@ -44,7 +44,8 @@ std::string usage() {
              "                         global batch is N x --batch (x the processes of a launcher's job)\n"
              "  --bucket-mb N          gradient all-reduce bucket size in MB (default 25)\n"
              "  --reduce-dtype D       fp32 (default) or bf16: the dtype the gradients are averaged in\n"
-             "  --comm-timeout S       a data-parallel run stops if no step finishes for S seconds (default 300)\n"
+             "  --comm-timeout S       a data-parallel run stops if no step finishes for S seconds (default 300)\n"             "  --comm-ctas N          NCCL uses at most N thread blocks (SMs), leaving the rest to the backward\n"
+             "                         it overlaps (default 0: NCCL's choice)\n"
              "  --precision P          bf16 (default) or fp8 (the blocks' Linear layers in FP8, all three GEMMs)\n"
              "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
              "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
@@ -111,6 +112,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
          o.reduce_dtype = v;
        }},
       {"--comm-timeout", [&](const std::string& f, const std::string& v) { o.comm_timeout = parse_int(f, v, 5, 1 << 20); }},
+      {"--comm-ctas", [&](const std::string& f, const std::string& v) { o.comm_ctas = parse_int(f, v, 0, 64); }},
       {"--precision", [&](const std::string&, const std::string& v) {
          if (v != "bf16" && v != "fp8") bad("unknown precision '" + v + "'; choose bf16 or fp8");
          o.precision = v;

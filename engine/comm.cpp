@@ -15,12 +15,17 @@ void throw_nccl_error(ncclResult_t r, const char* call, const char* file, int li
   throw RuntimeError(msg);
 }
 
-Comm::Comm(const ncclUniqueId& id, int world, int rank) : world_(world), rank_(rank) {
+Comm::Comm(const ncclUniqueId& id, int world, int rank, int max_ctas) : world_(world), rank_(rank) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   events_.resize(1);
   CUDA_CHECK(cudaEventCreateWithFlags(&events_[0], cudaEventDisableTiming));
   NvtxRange range("nccl init");
-  NCCL_CHECK(ncclCommInitRank(&comm_, world, id, rank));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  if (max_ctas > 0) {
+    config.maxCTAs = max_ctas;
+    config.minCTAs = std::min(max_ctas, 2);
+  }
+  NCCL_CHECK(ncclCommInitRankConfig(&comm_, world, id, rank, &config));
 }
 
 Comm::~Comm() {

@@ -21,7 +21,9 @@
 // and every later call here throws instead of touching the aborted communicator.
 class Comm {
  public:
-  Comm(const ncclUniqueId& id, int world, int rank);
+  // max_ctas > 0: NCCL may use at most that many thread blocks (SMs) for its collectives, the
+  // rest stay with the backward's kernels the all-reduce overlaps.
+  Comm(const ncclUniqueId& id, int world, int rank, int max_ctas = 0);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;

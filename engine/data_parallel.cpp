@@ -103,7 +103,7 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
         ctx.layout = layout;
         ctx.progress = &progress[w];
         CUDA_CHECK(cudaSetDevice(ctx.device));
-        comm = std::make_unique<Comm>(id, world, rank);
+        comm = std::make_unique<Comm>(id, world, rank, opts.comm_ctas);
         {
           std::lock_guard<std::mutex> lock(sup.mutex);
           sup.comms[w] = comm.get();
