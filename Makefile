@@ -22,12 +22,23 @@ LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
 .PHONY: all test bench profile clean test-deps
-all: vit_train gemm_rate
+all: vit_train gemm_rate loader_rate
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 vit_tests: $(LIB_OBJ) $(TEST_OBJ)
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
+# The dataset packer (CPU only; libturbojpeg and libpng: Debian libturbojpeg0-dev libpng-dev).
+# Linked statically against them, so that it also runs where only the binary is copied.
+pack_images: $(BUILD)/tools/pack_images.o
+	$(CXX) -o $@ $^ -Wl,-Bstatic -lturbojpeg -lpng -lz -Wl,-Bdynamic -lm -lpthread
+
+$(BUILD)/tools/pack_images.o: tools/pack_images.cpp | test-deps
+
+# The packed data path's images/s on one GPU, augmentation included.
+loader_rate: $(LIB_OBJ) $(BUILD)/tools/loader_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 # cuBLASLt's rate at one ViT block's GEMM shapes, through the engine's GEMM entry point.
@@ -51,7 +62,7 @@ $(BUILD)/%.o: %.cpp
 test-deps:
 	@tools/ensure_test_deps.sh
 
-test: test-deps vit_train vit_tests
+test: test-deps vit_train vit_tests pack_images
 	./vit_tests
 
 # The speed round on a GPU machine: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh),
@@ -66,6 +77,6 @@ profile: vit_train
 	  ./vit_train --steps 15 --profile-steps 10:14
 
 clean:
-	rm -rf $(BUILD) vit_train vit_tests gemm_rate
+	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

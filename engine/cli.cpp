@@ -59,7 +59,9 @@ std::string usage() {
              "data:\n"
              "  --data D               synthetic (default: N(0,1) images, label = index % classes, made on the GPU)\n"
              "                         or fashion-mnist[:DIR] (IDX files, default DIR /usr/share/datasets/fashion-mnist;\n"
-             "                         needs --img 28 --channels 1 --classes 10)\n"
+             "                         needs --img 28 --channels 1 --classes 10), or packed:DIR (DIR/train and\n"
+             "                         optionally DIR/val written by tools/pack_images: random resized crops and\n"
+             "                         flips on the GPU for training, centre crops for evaluation)\n"
              "  --epochs N             passes over the training set, shuffled each epoch (instead of --steps)\n"
              "  --eval-every N         top-1 on the test set every N steps (default: after each epoch)\n"
              "model (a preset, then any override):\n"
@@ -129,13 +131,14 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--warmup", [&](const std::string& f, const std::string& v) { o.warmup = parse_int(f, v, 0, 1 << 30); }},
       {"--data", [&](const std::string& f, const std::string& v) {
          const std::string kind = v.substr(0, v.find(':'));
-         if (kind != "synthetic" && kind != "fashion-mnist")
-           bad("unknown dataset '" + v + "'; choose synthetic or fashion-mnist[:DIR]");
+         if (kind != "synthetic" && kind != "fashion-mnist" && kind != "packed")
+           bad("unknown dataset '" + v + "'; choose synthetic, fashion-mnist[:DIR] or packed:DIR");
          o.data = kind;
          o.data_dir = v.find(':') == std::string::npos ? "" : v.substr(v.find(':') + 1);
          const bool colon = v.find(':') != std::string::npos;
          if (kind == "synthetic" && colon) bad(f + " synthetic takes no directory");
          if (kind == "fashion-mnist" && colon && o.data_dir.empty()) bad(f + " fashion-mnist: needs a directory after the colon");
+         if (kind == "packed" && o.data_dir.empty()) bad(f + " packed:DIR needs the directory (DIR/train, DIR/val from tools/pack_images)");
        }},
       {"--eval-every", [&](const std::string& f, const std::string& v) { o.eval_every = parse_int(f, v, 1, 1 << 30); }},
       {"--lr-schedule", [&](const std::string& f, const std::string& v) {
@@ -211,6 +214,11 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   if (o.data == "synthetic") {
     if (o.epochs > 0) bad("--epochs needs a dataset with a size (--data fashion-mnist); use --steps");
     if (o.eval_every > 0) bad("--eval-every needs a dataset with a test split (--data fashion-mnist)");
+  } else if (o.data == "packed") {
+    if (m.channels != 3) bad("--data packed holds RGB images: give --channels 3");
+    struct stat st;
+    if (::stat((o.data_dir + "/train").c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+      bad("--data packed:" + o.data_dir + ": no " + o.data_dir + "/train directory (pack_images SRC " + o.data_dir + "/train)");
   } else {
     if (m.img != 28 || m.channels != 1 || m.classes != 10)
       bad("--data fashion-mnist holds 28x28 grey images of 10 classes: give --img 28 --channels 1 --classes 10");

@@ -9,7 +9,17 @@
 
 #include "engine/dataset.h"
 
-class DataLoader {
+// What the trainer asks of a data source.
+class BatchLoader {
+ public:
+  virtual ~BatchLoader() = default;
+  virtual int batches_per_epoch() const = 0;
+  // Batch `index` of `epoch` into images [B, C, H, W] fp32 and labels [B] on the device;
+  // returns how many of the B rows are real images (evaluation pads its last batch).
+  virtual int load(int epoch, int index, float* images, int* labels, cudaStream_t stream) = 0;
+};
+
+class DataLoader : public BatchLoader {
  public:
   // shuffle: a fresh permutation every epoch (training; the last partial global batch is
   // dropped); rank r of `world` takes slice r of each global batch of world x batch images, so
@@ -17,14 +27,14 @@ class DataLoader {
   // batch is padded; the caller spreads the batch indices over the ranks).
   DataLoader(const ImageSet& set, int batch, float mean, float std, bool shuffle, uint64_t seed, int rank = 0,
              int world = 1);
-  ~DataLoader();
+  ~DataLoader() override;
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
 
-  int batches_per_epoch() const { return batches_; }
+  int batches_per_epoch() const override { return batches_; }
   // Batch `index` of `epoch` into images [B, 1, rows, cols] fp32 and labels [B] on the device;
   // returns how many of the B rows are real images (the rest repeat the last one, label 0).
-  int load(int epoch, int index, float* images, int* labels, cudaStream_t stream);
+  int load(int epoch, int index, float* images, int* labels, cudaStream_t stream) override;
 
  private:
   static constexpr int kSlots = 3;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -84,12 +85,31 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   fp8.history = opts_.amax_history;
   fp8.margin = opts_.fp8_margin;
   if (opts_.data == "fashion-mnist") {
-    dataset_ = std::make_unique<FashionMnist>(opts_.data_dir);
-    if (int64_t(opts_.batch) * ctx_.world > dataset_->train.count)
+    fashion_ = std::make_unique<FashionMnist>(opts_.data_dir);
+    train_count_ = fashion_->train.count;
+    test_count_ = fashion_->test.count;
+    data_summary_ = "Fashion-MNIST from " + opts_.data_dir;
+  } else if (opts_.data == "packed") {
+    packed_train_ = std::make_unique<PackedSet>(opts_.data_dir + "/train");
+    if (std::filesystem::is_directory(opts_.data_dir + "/val")) packed_val_ = std::make_unique<PackedSet>(opts_.data_dir + "/val");
+    const ViTConfig& m = opts_.model;
+    if (packed_train_->classes() != m.classes)
+      throw UsageError("--data packed:" + opts_.data_dir + " has " + std::to_string(packed_train_->classes()) +
+                       " classes and the model's head " + std::to_string(m.classes) + " (--classes)");
+    if (packed_val_ && (packed_val_->classes() != m.classes || packed_val_->size() < m.img))
+      throw UsageError("--data packed:" + opts_.data_dir + "/val: " + std::to_string(packed_val_->classes()) + " classes of " +
+                       std::to_string(packed_val_->size()) + "-pixel images; the model needs " +
+                       std::to_string(m.classes) + " classes and at least " + std::to_string(m.img) + " pixels for its centre crop");
+    train_count_ = packed_train_->count();
+    test_count_ = packed_val_ ? packed_val_->count() : 0;
+    data_summary_ = "packed " + opts_.data_dir + " (" + std::to_string(packed_train_->size()) + " px, random resized crops and flips)";
+  }
+  if (train_count_ > 0) {
+    if (int64_t(opts_.batch) * ctx_.world > train_count_)
       throw UsageError("the global batch (" + std::to_string(ctx_.world) + " x " + std::to_string(opts_.batch) +
-                       ") is larger than the " + std::to_string(dataset_->train.count) + " training images");
+                       ") is larger than the " + std::to_string(train_count_) + " training images");
     if (opts_.epochs > 0) {
-      const int64_t steps = int64_t(opts_.epochs) * (dataset_->train.count / (int64_t(opts_.batch) * ctx_.world));
+      const int64_t steps = int64_t(opts_.epochs) * (train_count_ / (int64_t(opts_.batch) * ctx_.world));
       if (steps > (1 << 30)) throw UsageError("--epochs " + std::to_string(opts_.epochs) + " makes more than 2^30 steps");
       set_total_steps(opts_, static_cast<int>(steps));
     }
@@ -141,11 +161,17 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     Comm* comm = ctx_.comm;
     model_->set_amax_reducer([comm](float* data, int n, cudaStream_t s) { comm->all_reduce(data, n, ncclFloat32, ncclMax, s, s); });
   }
-  if (dataset_) {
-    train_loader_ = std::make_unique<DataLoader>(dataset_->train, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
+  if (fashion_) {
+    train_loader_ = std::make_unique<DataLoader>(fashion_->train, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
                                                  true, opts_.seed, ctx_.rank, ctx_.world);
-    test_loader_ = std::make_unique<DataLoader>(dataset_->test, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
+    test_loader_ = std::make_unique<DataLoader>(fashion_->test, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
                                                 false, opts_.seed);
+  } else if (packed_train_) {
+    train_loader_ = std::make_unique<PackedLoader>(*packed_train_, opts_.batch, cfg.img, true, opts_.seed, ctx_.rank,
+                                                   ctx_.world);
+    if (packed_val_) test_loader_ = std::make_unique<PackedLoader>(*packed_val_, opts_.batch, cfg.img, false, opts_.seed);
+  }
+  if (train_loader_) {
     CUDA_CHECK(cudaMalloc(&loss_sum_, sizeof(float)));
     CUDA_CHECK(cudaMalloc(&correct_, 2 * sizeof(int)));
     CUDA_CHECK(cudaMemset(loss_sum_, 0, sizeof(float)));
@@ -247,9 +273,9 @@ void Trainer::print_summary() const {
   else
     std::printf("  precision   bf16: bf16 GEMMs and attention with fp32 accumulation; fp32 LayerNorm, softmax, loss,\n"
                 "              residual stream, master weights, gradients and momentum\n");
-  if (dataset_)
-    std::printf("  data        Fashion-MNIST from %s: %d training images (%d batches an epoch, shuffled), %d test\n",
-                opts_.data_dir.c_str(), dataset_->train.count, train_loader_->batches_per_epoch(), dataset_->test.count);
+  if (train_loader_)
+    std::printf("  data        %s: %d training images (%d batches an epoch, shuffled), %d test\n",
+                data_summary_.c_str(), train_count_, train_loader_->batches_per_epoch(), test_count_);
   else
     std::printf("  data        synthetic: N(0, 1) images, label = sample index %% classes, made on the GPU\n");
   if (ctx_.comm)
@@ -360,7 +386,7 @@ Trainer::Accuracy Trainer::evaluate() {
   int correct[2] = {0, 0};
   CUDA_CHECK(cudaMemcpyAsync(correct, correct_, sizeof correct, cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return {static_cast<double>(correct[0]) / dataset_->test.count, static_cast<double>(correct[1]) / dataset_->test.count};
+  return {static_cast<double>(correct[0]) / test_count_, static_cast<double>(correct[1]) / test_count_};
 }
 
 // After a step on real data: at an epoch's end (or the run's, inside an epoch), the epoch's
@@ -370,7 +396,7 @@ void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epoc
   const int per_epoch = train_loader_->batches_per_epoch();
   const bool last = step + 1 == opts_.steps, epoch_end = (step + 1) % per_epoch == 0 || last;
   const int steps_in_epoch = (step + 1) % per_epoch == 0 ? per_epoch : (step + 1) % per_epoch;
-  const bool eval_now = opts_.eval_every > 0 ? ((step + 1) % opts_.eval_every == 0 || last) : epoch_end;
+  const bool eval_now = test_loader_ && (opts_.eval_every > 0 ? ((step + 1) % opts_.eval_every == 0 || last) : epoch_end);
   double train_loss = NAN;
   Accuracy acc{NAN, NAN};
   if (epoch_end) {
@@ -382,7 +408,7 @@ void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epoc
     acc = evaluate();
     if (ctx_.logs())
       std::printf("  eval after step %d (epoch %.2f): test top-1 %.2f%%, top-5 %.2f%% of %d images, lr %.4g\n", step + 1,
-                  (step + 1) / static_cast<double>(per_epoch), 100 * acc.top1, 100 * acc.top5, dataset_->test.count,
+                  (step + 1) / static_cast<double>(per_epoch), 100 * acc.top1, 100 * acc.top5, test_count_,
                   schedule_.at(step));
     char j[200];
     std::snprintf(j, sizeof j, "\"step\": %d, \"epoch\": %.4f, \"eval_top1\": %.6f, \"eval_top5\": %.6f", step + 1,
@@ -507,7 +533,7 @@ void Trainer::train() {
       }
       window_start = step + 1;
     }
-    if (dataset_) record_epoch_and_evaluate(step, epochs);
+    if (train_loader_) record_epoch_and_evaluate(step, epochs);
     if (!opts_.save_dir.empty() && (last || (opts_.save_every > 0 && (step + 1) % opts_.save_every == 0)))
       save(step + 1);
   }

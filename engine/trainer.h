@@ -15,6 +15,7 @@
 #include "engine/comm.h"
 #include "engine/data_loader.h"
 #include "engine/dataset.h"
+#include "engine/packed_loader.h"
 #include "engine/gemm.h"
 #include "engine/schedule.h"
 #include "engine/timing.h"
@@ -91,9 +92,12 @@ class Trainer {
   cudaStream_t stream_ = nullptr;
   size_t gemm_workspace_ = 0;
   LrSchedule schedule_;
-  // Real data (--data fashion-mnist); null for the synthetic set.
-  std::unique_ptr<FashionMnist> dataset_;
-  std::unique_ptr<DataLoader> train_loader_, test_loader_;
+  // Real data (--data fashion-mnist or packed); null for the synthetic set.
+  std::unique_ptr<FashionMnist> fashion_;
+  std::unique_ptr<PackedSet> packed_train_, packed_val_;
+  std::unique_ptr<BatchLoader> train_loader_, test_loader_;  // test_loader_ null: no evaluation
+  int train_count_ = 0, test_count_ = 0;
+  std::string data_summary_;
   float* loss_sum_ = nullptr;  // device: the epoch's summed training loss
   int* correct_ = nullptr;     // device: an evaluation's top-1 and top-5 counts
   float *grad_norm_ = nullptr, *norm_partial_ = nullptr;  // --clip-grad

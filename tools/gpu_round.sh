@@ -10,7 +10,8 @@
 # the IDX files from $FASHION_MNIST, default /usr/share/datasets/fashion-mnist), fp8_stats (ViT-H
 # in fp8 with --fp8-stats), timing_heuristic (the breakdown with cuBLASLt's heuristic GEMM choices) and
 # ncu (Nsight Compute's speed-of-light of each non-GEMM kernel and each GEMM of one block), and
-# ref_ckpt (a checkpoint loaded by timm strictly, and through --init-from checked against timm).
+# ref_ckpt (a checkpoint loaded by timm strictly, and through --init-from checked against timm),
+# packed (Fashion-MNIST through the packed data path end to end, and the loader's images/s).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small bench timing ref_h)
 set -uo pipefail
@@ -73,6 +74,19 @@ print('timm loaded the checkpoint strictly:', sum(p.numel() for p in m.parameter
       run ref_ckpt_dump ./vit_train $SMALL --lr 0.05 --steps 10 --init-from /tmp/ckpt/step-00000010/model.safetensors \
         --dump-reference /tmp/ref_ckpt
       run ref_ckpt python3 tools/timm_reference.py /tmp/ref_ckpt ;;
+    packed)  # the packed data path end to end: Fashion-MNIST as a PNG tree, packed, trained in fp8
+      rm -rf /tmp/fm_tree /tmp/fm_packed
+      run fm_tree_train python3 tools/idx_to_imagefolder.py "${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}/train-images-idx3-ubyte.gz" \
+        "${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}/train-labels-idx1-ubyte.gz" /tmp/fm_tree/train
+      run fm_tree_val python3 tools/idx_to_imagefolder.py "${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}/t10k-images-idx3-ubyte.gz" \
+        "${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}/t10k-labels-idx1-ubyte.gz" /tmp/fm_tree/val
+      run fm_pack_train ./pack_images /tmp/fm_tree/train /tmp/fm_packed/train --size 32
+      run fm_pack_val ./pack_images /tmp/fm_tree/val /tmp/fm_packed/val --size 32
+      run packed_fp8 ./vit_train --data packed:/tmp/fm_packed --img 28 --patch 4 --channels 3 --classes 10 --dim 192 \
+        --depth 6 --heads 3 --batch 128 --epochs 10 --lr 0.1 --momentum 0.9 --lr-schedule cosine --warmup-steps 468 \
+        --precision fp8 --log-every 468 --log "$OUT/packed_fp8.jsonl"
+      run loader_rate_4 ./loader_rate --threads 4
+      run loader_rate_8 ./loader_rate --threads 8 ;;
     ref_h)
       rm -rf /tmp/ref_h
       run ref_h_dump ./vit_train --steps 10 --dump-reference /tmp/ref_h

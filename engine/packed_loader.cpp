@@ -1,0 +1,212 @@
+#include "engine/packed_loader.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "engine/check.h"
+#include "engine/dataset.h"
+#include "engine/nvtx.h"
+#include "kernels/augment.h"
+
+namespace fs = std::filesystem;
+
+PackedSet::PackedSet(const std::string& dir) : dir_(dir) {
+  if (!fs::is_directory(dir)) throw RuntimeError("packed data: " + dir + " is not a directory");
+  std::ifstream names((fs::path(dir) / "classes.txt").string());
+  if (!names) throw RuntimeError("packed data: " + dir + "/classes.txt is missing (not a pack_images directory?)");
+  for (std::string line; std::getline(names, line);)
+    if (!line.empty()) class_names_.push_back(line);
+  if (class_names_.empty()) throw RuntimeError("packed data: " + dir + "/classes.txt lists no class");
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("shard-", 0) == 0 && e.path().extension() == ".bin") files.push_back(e.path());
+  }
+  std::sort(files.begin(), files.end());
+  if (files.empty()) throw RuntimeError("packed data: " + dir + " has no shard-*.bin");
+  try {
+    for (const fs::path& f : files) {
+      const std::string name = f.string();
+      const int fd = ::open(name.c_str(), O_RDONLY);
+      if (fd < 0) throw RuntimeError("packed data: cannot open " + name + ": " + std::strerror(errno));
+      struct stat st;
+      ::fstat(fd, &st);
+      Shard s;
+      s.bytes = static_cast<size_t>(st.st_size);
+      if (s.bytes < sizeof(PackedShardHeader)) {
+        ::close(fd);
+        throw RuntimeError("packed data: " + name + " is truncated (shorter than its header)");
+      }
+      s.map = ::mmap(nullptr, s.bytes, PROT_READ, MAP_SHARED, fd, 0);
+      ::close(fd);
+      if (s.map == MAP_FAILED) throw RuntimeError("packed data: cannot map " + name + ": " + std::strerror(errno));
+      shards_.push_back(s);  // unmapped by the destructor from here on
+      Shard& sh = shards_.back();
+      PackedShardHeader h;
+      std::memcpy(&h, sh.map, sizeof h);
+      if (!packed_magic_ok(h) || h.version != kPackedVersion)
+        throw RuntimeError("packed data: " + name + " is not a version-1 packed shard (corrupted?)");
+      if (h.channels != 3 || h.size == 0 || h.count == 0 || h.classes != class_names_.size())
+        throw RuntimeError("packed data: " + name + " has channels " + std::to_string(h.channels) + ", size " +
+                           std::to_string(h.size) + ", " + std::to_string(h.classes) + " classes (classes.txt lists " +
+                           std::to_string(class_names_.size()) + ")");
+      if (packed_shard_bytes(h) != sh.bytes)
+        throw RuntimeError("packed data: " + name + " is " + std::to_string(sh.bytes) + " bytes, its header says " +
+                           std::to_string(packed_shard_bytes(h)) + " (truncated or corrupted)");
+      if (size_ != 0 && int(h.size) != size_)
+        throw RuntimeError("packed data: " + name + " holds " + std::to_string(h.size) + "-pixel images, the others " +
+                           std::to_string(size_));
+      size_ = static_cast<int>(h.size);
+      sh.first = count_;
+      sh.count = static_cast<int>(h.count);
+      sh.labels = reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(sh.map) + sizeof h);
+      sh.pixels = static_cast<const uint8_t*>(sh.map) + sizeof h + size_t(h.count) * 4;
+      for (int i = 0; i < sh.count; ++i)
+        if (sh.labels[i] < 0 || sh.labels[i] >= classes())
+          throw RuntimeError("packed data: " + name + " image " + std::to_string(i) + " has label " +
+                             std::to_string(sh.labels[i]) + " of " + std::to_string(classes()) + " classes");
+      if (int64_t(count_) + sh.count > (1 << 30)) throw RuntimeError("packed data: " + dir + " holds too many images");
+      count_ += sh.count;
+    }
+  } catch (...) {
+    for (Shard& s : shards_) ::munmap(s.map, s.bytes);
+    throw;
+  }
+}
+
+PackedSet::~PackedSet() {
+  for (Shard& s : shards_) ::munmap(s.map, s.bytes);
+}
+
+const PackedSet::Shard& PackedSet::shard_of(int i) const {
+  auto it = std::upper_bound(shards_.begin(), shards_.end(), i, [](int v, const Shard& s) { return v < s.first; });
+  return *(it - 1);
+}
+const uint8_t* PackedSet::image(int i) const {
+  const Shard& s = shard_of(i);
+  return s.pixels + size_t(i - s.first) * size_ * size_ * 3;
+}
+int PackedSet::label(int i) const {
+  const Shard& s = shard_of(i);
+  return s.labels[i - s.first];
+}
+
+PackedLoader::PackedLoader(const PackedSet& set, int batch, int img, bool train, uint64_t seed, int rank, int world,
+                           int threads)
+    : set_(set), batch_(batch), img_(img), rank_(rank), world_(world), train_(train), seed_(seed),
+      image_bytes_(size_t(set.size()) * set.size() * 3) {
+  batches_ = train ? set.count() / (batch * world) : (set.count() + batch - 1) / batch;
+  for (int s = 0; s < kSlots; ++s) {
+    CUDA_CHECK(cudaMallocHost(&staged_[s], size_t(batch) * image_bytes_));
+    CUDA_CHECK(cudaMallocHost(&staged_labels_[s], size_t(batch) * sizeof(int)));
+    CUDA_CHECK(cudaEventCreateWithFlags(&copied_[s], cudaEventDisableTiming));
+    slot_job_[s] = -1;
+  }
+  CUDA_CHECK(cudaMalloc(&device_pixels_, size_t(batch) * image_bytes_));
+  for (int t = 0; t < threads; ++t) workers_.emplace_back([this] { work(); });
+}
+
+PackedLoader::~PackedLoader() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  changed_.notify_all();
+  for (std::thread& t : workers_) t.join();
+  for (int s = 0; s < kSlots; ++s) {
+    if (copied_[s]) cudaEventSynchronize(copied_[s]);
+    cudaFreeHost(staged_[s]);
+    cudaFreeHost(staged_labels_[s]);
+    if (copied_[s]) cudaEventDestroy(copied_[s]);
+  }
+  cudaFree(device_pixels_);
+}
+
+void PackedLoader::gather(const Job& j) {
+  NvtxRange range("packed batch gather");
+  const int first = train_ ? (j.index * world_ + rank_) * batch_ : j.index * batch_;
+  const int real = std::min(batch_, set_.count() - first);
+  for (int b = 0; b < batch_; ++b) {
+    const int k = first + std::min(b, real - 1);  // evaluation's last batch repeats its last image
+    const int i = train_ ? (*j.order)[k] : k;
+    std::memcpy(staged_[j.slot] + size_t(b) * image_bytes_, set_.image(i), image_bytes_);
+    staged_labels_[j.slot][b] = b < real ? set_.label(i) : 0;
+  }
+  staged_real_[j.slot] = real;
+}
+
+void PackedLoader::work() {
+  for (;;) {
+    Job j;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      changed_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      if (stop_) return;
+      j = jobs_.front();
+      jobs_.pop_front();
+    }
+    std::string error;
+    try {
+      gather(j);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      slot_ready_[j.slot] = true;
+      if (!error.empty() && error_.empty()) error_ = error;
+    }
+    changed_.notify_all();
+  }
+}
+
+// Called with the lock not held, from load's thread only.
+void PackedLoader::schedule(int epoch, int index) {
+  const long id = long(epoch) * batches_ + index;
+  const int slot = static_cast<int>(id % kSlots);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (slot_job_[slot] == id) return;
+  }
+  CUDA_CHECK(cudaEventSynchronize(copied_[slot]));  // the copy that read this slot last
+  if (train_ && order_epoch_ != epoch) {
+    order_ = std::make_shared<const std::vector<int>>(epoch_order(set_.count(), seed_, epoch));
+    order_epoch_ = epoch;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    slot_job_[slot] = id;
+    slot_ready_[slot] = false;
+    jobs_.push_back({epoch, index, slot, order_});
+  }
+  changed_.notify_one();
+}
+
+int PackedLoader::load(int epoch, int index, float* images, int* labels, cudaStream_t stream) {
+  NvtxRange range("packed batch");
+  ENSURE(index >= 0 && index < batches_, "PackedLoader: batch index out of range");
+  // This batch and the next kSlots - 1 (within the epoch) are gathered by the workers.
+  for (int k = 0; k < kSlots && index + k < batches_; ++k) schedule(epoch, index + k);
+  const int slot = static_cast<int>((long(epoch) * batches_ + index) % kSlots);
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return slot_ready_[slot] || !error_.empty(); });
+    if (!error_.empty()) throw RuntimeError("packed data loader: " + error_);
+  }
+  CUDA_CHECK(cudaMemcpyAsync(device_pixels_, staged_[slot], size_t(batch_) * image_bytes_, cudaMemcpyHostToDevice,
+                             stream));
+  CUDA_CHECK(cudaMemcpyAsync(labels, staged_labels_[slot], batch_ * sizeof(int), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaEventRecord(copied_[slot], stream));
+  // Each sample's random draw is its place in the run, the same after a resume.
+  const uint64_t first_draw = (uint64_t(epoch) * batches_ + index) * world_ * batch_ + uint64_t(rank_) * batch_;
+  augment_images(device_pixels_, batch_, set_.size(), images, img_, img_, train_, seed_, first_draw, stream);
+  return staged_real_[slot];
+}
