@@ -238,14 +238,14 @@ int main(int argc, char** argv) {
     for (size_t first = 0; first < files.size(); first += size_t(shard_images)) {
       const size_t n = std::min(files.size() - first, size_t(shard_images));
       std::vector<std::vector<uint8_t>> pixels(n);
-      std::vector<bool> ok(n, false);
+      std::vector<char> ok(n, 0);  // not vector<bool>: threads set neighbouring entries
       std::atomic<size_t> next{0};
       auto work = [&] {
         for (size_t i; (i = next++) < n;) {
           const fs::path& p = files[first + i].first;
           try {
             pixels[i] = resize_crop(decode(read_file(p)), size);
-            ok[i] = true;
+            ok[i] = 1;
           } catch (const std::exception& e) {
             std::lock_guard<std::mutex> lock(skipped_mutex);
             skipped.push_back(p.string() + ": " + e.what());
