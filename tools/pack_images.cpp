@@ -278,6 +278,9 @@ int main(int argc, char** argv) {
                   skipped.size());
       std::fflush(stdout);
     }
+    if (written + skipped.size() != files.size())  // every file is either packed or reported
+      throw std::runtime_error("internal error: " + std::to_string(written) + " packed + " +
+                               std::to_string(skipped.size()) + " skipped != " + std::to_string(files.size()) + " files");
     std::string list;
     for (const std::string& c : classes) list += c + "\n";
     write_whole(out / "classes.txt", {{list.data(), list.size()}});
