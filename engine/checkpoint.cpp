@@ -31,10 +31,13 @@ std::vector<T> to_host(const T* device, size_t n, cudaStream_t stream) {
 // (and, as facts to report, the batch and the number of ranks).
 std::vector<int64_t> run_shape(const ViTConfig& c, const TrainOptions& o, int world) {
   return {c.img, c.patch, c.channels, c.classes, c.dim, c.depth, c.heads, static_cast<int64_t>(c.mlp_ratio * 1000),
-          o.precision == "fp8" ? 1 : 0, o.batch, world};
+          o.precision == "fp8" ? 1 : 0, o.batch, world, o.fp8_recipe == "current" ? 1 : 0, o.amax_history,
+          o.fp8_margin};
 }
 const char* kShapeNames[] = {"img", "patch", "channels", "classes", "dim", "depth", "heads", "mlp_ratio x 1000",
-                             "precision (1 fp8)", "batch", "ranks"};
+                             "precision (1 fp8)", "batch", "ranks", "fp8 recipe (1 current)", "amax history",
+                             "fp8 margin"};
+constexpr size_t kMustMatch = 9;  // the model and the precision; the rest changes only the losses
 
 void fsync_path(const std::string& path, bool dir) {
   const int fd = ::open(path.c_str(), dir ? O_RDONLY | O_DIRECTORY : O_RDONLY);
@@ -44,6 +47,15 @@ void fsync_path(const std::string& path, bool dir) {
   if (r != 0) throw RuntimeError("cannot flush " + path + ": " + std::strerror(errno));
 }
 
+// The step in a checkpoint directory's name, or -1.
+long long step_of(const fs::path& p) {
+  const std::string n = p.filename().string();
+  if (n.rfind(kPrefix, 0) != 0 || n.size() == std::strlen(kPrefix)) return -1;
+  for (size_t i = std::strlen(kPrefix); i < n.size(); ++i)
+    if (n[i] < '0' || n[i] > '9') return -1;
+  return std::stoll(n.substr(std::strlen(kPrefix)));
+}
+
 bool is_checkpoint(const fs::path& p) {
   return fs::is_directory(p) && fs::exists(p / "model.safetensors") && fs::exists(p / "state.safetensors");
 }
@@ -51,11 +63,9 @@ bool is_checkpoint(const fs::path& p) {
 std::vector<fs::path> checkpoints_in(const std::string& dir) {
   std::vector<fs::path> out;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind(kPrefix, 0) == 0 && is_checkpoint(e.path())) out.push_back(e.path());
-  }
-  std::sort(out.begin(), out.end());  // zero-padded step numbers sort by step
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (step_of(e.path()) >= 0 && is_checkpoint(e.path())) out.push_back(e.path());
+  std::sort(out.begin(), out.end(), [](const fs::path& a, const fs::path& b) { return step_of(a) < step_of(b); });
   return out;
 }
 
@@ -105,9 +115,13 @@ void save_checkpoint(const std::string& dir, int keep, const CheckpointState& st
                        " rank(s)\nseed " + std::to_string(opts.seed) + "\n";
     write_text_file((tmp / "run.txt").string(), text);
     fsync_path(tmp.string(), true);
-    if (fs::exists(final_path)) fs::remove_all(final_path);  // the same step saved again
+    // The same step saved again: the old one is set aside until the new one is in place.
+    const fs::path old = fs::path(dir) / (std::string(".") + name + ".old");
+    fs::remove_all(old, ec);
+    if (fs::exists(final_path)) fs::rename(final_path, old);
     fs::rename(tmp, final_path);
     fsync_path(dir, true);
+    fs::remove_all(old, ec);
   } catch (const fs::filesystem_error& e) {
     fs::remove_all(tmp, ec);
     throw RuntimeError("cannot save the checkpoint " + final_path.string() + ": " + e.what());
@@ -115,7 +129,11 @@ void save_checkpoint(const std::string& dir, int keep, const CheckpointState& st
     fs::remove_all(tmp, ec);
     throw;
   }
-  const std::vector<fs::path> all = checkpoints_in(dir);
+  // The newest `keep` up to this step stay; checkpoints of later steps (another run's, in the
+  // same directory) are left alone.
+  std::vector<fs::path> all = checkpoints_in(dir);
+  all.erase(std::remove_if(all.begin(), all.end(), [&](const fs::path& p) { return step_of(p) > state.step; }),
+            all.end());
   for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i], ec);
 }
 
@@ -133,15 +151,18 @@ CheckpointState load_checkpoint(const std::string& path, ViT& model, const Train
   const SafetensorsFile weights((fs::path(path) / "model.safetensors").string());
   const std::vector<int64_t> want = run_shape(model.config(), opts, world);
   const SafetensorsFile::Entry* shape = st.find("run.shape");
-  if (!shape || shape->dtype != "I64" || shape->shape != std::vector<int64_t>{static_cast<int64_t>(want.size())})
+  if (!shape || shape->dtype != "I64" || shape->shape.size() != 1)
     throw RuntimeError(st.path() + " has no valid run.shape: not a checkpoint of this engine");
   std::vector<int64_t> have(want.size());
   std::memcpy(have.data(), st.data(*shape), have.size() * 8);
-  for (size_t i = 0; i < want.size(); ++i)
-    if (have[i] != want[i] && i < 9)  // the model and the precision must match
+  if (shape->shape[0] != static_cast<int64_t>(want.size()))
+    throw RuntimeError(st.path() + " records " + std::to_string(shape->shape[0]) + " run facts, this engine " +
+                       std::to_string(want.size()) + ": a checkpoint of another version");
+  for (size_t i = 0; i < kMustMatch; ++i)
+    if (have[i] != want[i])
       throw UsageError("--resume " + path + ": the checkpoint is for " + kShapeNames[i] + " " + std::to_string(have[i]) +
                        ", this run has " + std::to_string(want[i]));
-  for (size_t i = 9; i < want.size(); ++i)
+  for (size_t i = kMustMatch; i < want.size(); ++i)
     if (have[i] != want[i])
       std::fprintf(stderr, "vit_train: note: the checkpoint ran with %s %lld, this run has %lld: the loss sequence "
                    "will differ from the uninterrupted run's\n", kShapeNames[i], static_cast<long long>(have[i]),
@@ -176,6 +197,7 @@ CheckpointState load_checkpoint(const std::string& path, ViT& model, const Train
   int64_t s = 0;
   std::memcpy(&s, st.data(*step), 8);
   std::memcpy(&state.epoch_loss_sum, st.data(*loss), 4);
+  if (s < 0 || s > (1 << 30)) throw RuntimeError(st.path() + " records step " + std::to_string(s) + " (corrupted?)");
   state.step = static_cast<int>(s);
   return state;
 }
@@ -190,9 +212,10 @@ void load_timm_weights(const std::string& file, ViT& model, cudaStream_t stream)
       missing.push_back(t.name);
       continue;
     }
-    if (t.name == "head.weight" && f.find(t.name)->shape != t.shape)
-      throw UsageError("--init-from " + file + ": its head has " + std::to_string(f.find(t.name)->shape.at(0)) +
-                       " classes, this model " + std::to_string(model.config().classes) + " (--classes)");
+    const std::vector<int64_t>& head = f.find(t.name)->shape;
+    if (t.name == "head.weight" && head != t.shape && head.size() == 2 && head[1] == t.shape[1])
+      throw UsageError("--init-from " + file + ": its head has " + std::to_string(head[0]) + " classes, this model " +
+                       std::to_string(model.config().classes) + " (--classes)");
     const std::vector<float> w = f.as_f32(t.name, t.shape);
     std::copy(w.begin(), w.end(), params.begin() + t.offset);
   }

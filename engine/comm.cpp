@@ -38,18 +38,22 @@ Comm::~Comm() {
 }
 
 void Comm::abort(const std::string& why) {
-  // Taken with a timeout: a call blocked inside NCCL (a connection to a dead peer) holds the
-  // lock, and aborting is what unblocks it.
+  std::lock_guard<std::mutex> once(abort_mutex_);
+  if (aborted_) return;
+  abort_reason_ = why;  // before the flag: check() reads it once the flag is up
+  // The call lock is taken with a timeout: a call blocked inside NCCL (a connection to a dead
+  // peer) holds it, and aborting is what unblocks that call.
   const bool locked = mutex_.try_lock_for(std::chrono::seconds(2));
-  if (!aborted_.exchange(true)) {
-    abort_reason_ = why;
-    if (comm_) ncclCommAbort(comm_);
-  }
+  aborted_ = true;
+  if (comm_) ncclCommAbort(comm_);
   if (locked) mutex_.unlock();
 }
 
 void Comm::check() {
-  if (aborted_) throw RuntimeError("stopping: " + abort_reason_);
+  if (aborted_) {
+    std::lock_guard<std::mutex> once(abort_mutex_);
+    throw RuntimeError("stopping: " + abort_reason_);
+  }
   ncclResult_t async = ncclSuccess;
   NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
   if (async != ncclSuccess) throw_nccl_error(async, "a collective in flight", __FILE__, __LINE__);

@@ -52,7 +52,8 @@ class Comm {
   std::vector<cudaEvent_t> events_;  // a ring, for order()
   size_t next_event_ = 0;
   int world_, rank_;
-  std::timed_mutex mutex_;
+  std::timed_mutex mutex_;   // held by each call into NCCL
+  std::mutex abort_mutex_;   // abort() once; guards abort_reason_
   std::atomic<bool> aborted_{false};
   std::string abort_reason_;
 };

@@ -29,17 +29,17 @@ struct Supervisor {
   std::mutex mutex;
   std::condition_variable changed;
   std::vector<Comm*> comms;
+  std::string aborting;      // non-empty once abort_all ran: a communicator registered later is aborted at once
   std::string failure;       // the first: "rank R: cause" or from another process
   bool usage_error = false;  // that failure was bad input (exit 2)
   int finished = 0;
 
+  // Holds the lock throughout: a worker frees its communicator only after clearing its slot
+  // under the same lock, so none is freed while being aborted.
   void abort_all(const std::string& why) {
-    std::vector<Comm*> live;
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      live = comms;
-    }
-    for (Comm* c : live)
+    std::lock_guard<std::mutex> lock(mutex);
+    aborting = why;
+    for (Comm* c : comms)
       if (c) c->abort(why);
   }
   // Returns true for the first failure (whose message is the one printed).
@@ -74,12 +74,11 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
     NCCL_CHECK(ncclGetUniqueId(&id));
     id_bytes.assign(id.internal, id.internal + sizeof id.internal);
   }
+  Supervisor sup;  // before the channel: its watcher thread may call into sup until the channel is gone
+  sup.comms.assign(opts.gpus, nullptr);
   ControlChannel channel(group, id_bytes, sizeof(ncclUniqueId), kRendezvousTimeoutS);
   ncclUniqueId id;
   std::memcpy(id.internal, channel.payload().data(), sizeof id.internal);
-
-  Supervisor sup;
-  sup.comms.assign(opts.gpus, nullptr);
   channel.on_failure([&](const std::string& f) {  // another process failed
     if (sup.fail("stopping: " + f, false)) sup.abort_all(f);
   });
@@ -107,6 +106,7 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
         {
           std::lock_guard<std::mutex> lock(sup.mutex);
           sup.comms[w] = comm.get();
+          if (!sup.aborting.empty()) comm->abort(sup.aborting);  // the failure came during its init
         }
         ctx.comm = comm.get();
         trainer = std::make_unique<Trainer>(opts, ctx);
@@ -115,8 +115,8 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
         const bool usage = dynamic_cast<const UsageError*>(&e) != nullptr;
         const std::string what = "rank " + std::to_string(rank) + ": " + e.what();
         if (sup.fail(what, usage)) {
+          sup.abort_all(what);  // first the local ranks, then the other processes (a blocking send)
           channel.report_failure(what);
-          sup.abort_all(what);
         }
       }
       try {
@@ -160,14 +160,14 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
       last[w] = p;
     }
     if (moved) last_change = Clock::now();
-    const bool started = last[0] > 0;  // start-up (autotuning, data loading) is not timed
-    if (started && Clock::now() - last_change > std::chrono::seconds(opts.comm_timeout)) {
+    // Start-up (NCCL init, autotuning, loading data) counts as a step: it too must end in time.
+    if (Clock::now() - last_change > std::chrono::seconds(opts.comm_timeout)) {
       lock.unlock();
       const std::string what = "no step finished for " + std::to_string(opts.comm_timeout) +
                                " s (--comm-timeout): a collective is hung or a peer stopped answering";
       if (sup.fail("process " + std::to_string(group.rank) + ": " + what, false)) {
-        channel.report_failure(what);
         sup.abort_all(what);
+        channel.report_failure(what);
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -127,11 +128,18 @@ ControlChannel::ControlChannel(const ProcessGroup& group, std::vector<char> payl
         if (fd < 0) continue;
         set_nodelay(fd);
         int32_t rank = -1;
-        read_all(fd, &rank, sizeof rank, deadline, "a process's rank");
-        if (rank <= 0 || rank >= group_.size) {
+        try {  // a stray connection that says nothing is dropped, not waited on
+          read_all(fd, &rank, sizeof rank, std::min(deadline, Clock::now() + std::chrono::seconds(10)),
+                   "a process's rank");
+        } catch (const RuntimeError&) {
+          ::close(fd);
+          continue;
+        }
+        const bool taken = std::find(peer_rank_.begin(), peer_rank_.end(), rank) != peer_rank_.end();
+        if (rank <= 0 || rank >= group_.size || taken) {
           ::close(fd);
           throw RuntimeError("control channel: a process announced rank " + std::to_string(rank) + " of " +
-                             std::to_string(group_.size));
+                             std::to_string(group_.size) + (taken ? ", which another process has (RANK set twice?)" : ""));
         }
         peers_.push_back(fd);
         peer_rank_.push_back(rank);
@@ -207,6 +215,7 @@ void ControlChannel::on_failure(std::function<void(const std::string&)> f) {
 }
 
 void ControlChannel::send_all(const std::string& line, int except_fd) {
+  std::lock_guard<std::mutex> lock(send_mutex_);  // the watcher and the workers both send: whole lines
   for (int fd : peers_)
     if (fd != except_fd) {
       try {

@@ -62,6 +62,7 @@ class ControlChannel {
   std::vector<std::string> inbox_;  // partial lines per socket
   std::vector<bool> said_goodbye_;
   mutable std::mutex mutex_;
+  std::mutex send_mutex_;
   std::string failure_;
   std::function<void(const std::string&)> on_failure_;
   bool notified_ = false;

@@ -54,7 +54,8 @@ PackedSet::PackedSet(const std::string& dir) : dir_(dir) {
       std::memcpy(&h, sh.map, sizeof h);
       if (!packed_magic_ok(h) || h.version != kPackedVersion)
         throw RuntimeError("packed data: " + name + " is not a version-1 packed shard (corrupted?)");
-      if (h.channels != 3 || h.size == 0 || h.count == 0 || h.classes != class_names_.size())
+      if (h.channels != 3 || h.size == 0 || h.size > 65536 || h.count == 0 || h.count > (1u << 30) ||
+          h.classes != class_names_.size())
         throw RuntimeError("packed data: " + name + " has channels " + std::to_string(h.channels) + ", size " +
                            std::to_string(h.size) + ", " + std::to_string(h.classes) + " classes (classes.txt lists " +
                            std::to_string(class_names_.size()) + ")");
@@ -169,12 +170,18 @@ void PackedLoader::work() {
 }
 
 // Called with the lock not held, from load's thread only.
-void PackedLoader::schedule(int epoch, int index) {
+int PackedLoader::schedule(int epoch, int index) {
   const long id = long(epoch) * batches_ + index;
-  const int slot = static_cast<int>(id % kSlots);
+  int slot = -1;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (slot_job_[slot] == id) return;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (int s = 0; s < kSlots; ++s)
+      if (slot_job_[s] == id) return s;
+    slot = next_slot_;
+    next_slot_ = (next_slot_ + 1) % kSlots;
+    // The slot's previous batch must be gathered (a batch gathered ahead but never loaded too)
+    // before it is given a new one.
+    changed_.wait(lock, [&] { return slot_job_[slot] < 0 || slot_ready_[slot] || !error_.empty(); });
   }
   CUDA_CHECK(cudaEventSynchronize(copied_[slot]));  // the copy that read this slot last
   if (train_ && order_epoch_ != epoch) {
@@ -187,15 +194,18 @@ void PackedLoader::schedule(int epoch, int index) {
     slot_ready_[slot] = false;
     jobs_.push_back({epoch, index, slot, order_});
   }
-  changed_.notify_one();
+  changed_.notify_all();
+  return slot;
 }
 
 int PackedLoader::load(int epoch, int index, float* images, int* labels, cudaStream_t stream) {
   NvtxRange range("packed batch");
   ENSURE(index >= 0 && index < batches_, "PackedLoader: batch index out of range");
-  // This batch and the next kSlots - 1 (within the epoch) are gathered by the workers.
-  for (int k = 0; k < kSlots && index + k < batches_; ++k) schedule(epoch, index + k);
-  const int slot = static_cast<int>((long(epoch) * batches_ + index) % kSlots);
+  // This batch and the next kSlots - 1 this rank will load (within the epoch) are gathered by
+  // the workers.
+  const int stride = train_ ? 1 : world_;
+  const int slot = schedule(epoch, index);
+  for (int k = 1; k < kSlots && index + k * stride < batches_; ++k) schedule(epoch, index + k * stride);
   {
     std::unique_lock<std::mutex> lock(mutex_);
     changed_.wait(lock, [&] { return slot_ready_[slot] || !error_.empty(); });

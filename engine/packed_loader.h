@@ -54,7 +54,8 @@ class PackedSet {
 class PackedLoader : public BatchLoader {
  public:
   // train: each epoch a fresh order from (seed, epoch), rank r's slice of every global batch,
-  // random crops and flips; otherwise the set in order (the last batch padded), centre crops.
+  // random crops and flips; otherwise the set in order (the last batch padded), centre crops,
+  // and rank r of `world` is expected to load batches r, r + world, ... (what it gathers ahead).
   // img: the model's image side.
   PackedLoader(const PackedSet& set, int batch, int img, bool train, uint64_t seed, int rank = 0, int world = 1,
                int threads = 4);
@@ -70,7 +71,8 @@ class PackedLoader : public BatchLoader {
     std::shared_ptr<const std::vector<int>> order;  // training: the epoch's permutation
   };
   void work();
-  void schedule(int epoch, int index);
+  // Makes sure batch (epoch, index) is gathered or being gathered; returns its slot.
+  int schedule(int epoch, int index);
   void gather(const Job& j);
 
   const PackedSet& set_;
@@ -84,6 +86,7 @@ class PackedLoader : public BatchLoader {
   int* staged_labels_[kSlots] = {};
   int staged_real_[kSlots] = {};
   long slot_job_[kSlots];    // epoch * batches + index the slot holds or is gathering; -1 none
+  int next_slot_ = 0;        // slots are taken round robin, in the order batches are needed
   bool slot_ready_[kSlots] = {};
   cudaEvent_t copied_[kSlots] = {};
   uint8_t* device_pixels_ = nullptr;

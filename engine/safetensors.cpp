@@ -134,6 +134,11 @@ class JsonParser {
     return out;
   }
   JsonValue value() {
+    if (++depth_ > 32) fail("nests too deep");  // a header is two levels deep; never a stack overflow
+    struct Leave {
+      int& d;
+      ~Leave() { --d; }
+    } leave{depth_};
     JsonValue v;
     const char c = peek();
     if (c == '{') {
@@ -188,6 +193,7 @@ class JsonParser {
   const std::string& s_;
   const std::string& path_;
   size_t i_ = 0;
+  int depth_ = 0;
 };
 
 size_t dtype_size(const std::string& d) {
@@ -243,8 +249,12 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     for (const JsonValue& d : shape->items) {
       if (d.kind != JsonValue::Number || d.number < 0) throw bad("a bad dimension");
       e.shape.push_back(d.number);
+      if (d.number > 0 && count > (size_t(1) << 50) / static_cast<size_t>(d.number)) throw bad("a shape too large");
       count *= static_cast<size_t>(d.number);
     }
+    if (offsets->items[0].kind != JsonValue::Number || offsets->items[1].kind != JsonValue::Number)
+      throw bad("data_offsets that are not numbers");
+    if (tensors_.count(name)) throw bad("it appears twice");
     const int64_t begin = offsets->items[0].number, end = offsets->items[1].number;
     if (begin < 0 || end < begin || static_cast<uint64_t>(end) > data_bytes)
       throw bad("its bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") lie outside the file's " +

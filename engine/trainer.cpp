@@ -96,6 +96,8 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     if (packed_train_->classes() != m.classes)
       throw UsageError("--data packed:" + opts_.data_dir + " has " + std::to_string(packed_train_->classes()) +
                        " classes and the model's head " + std::to_string(m.classes) + " (--classes)");
+    if (packed_val_ && packed_val_->class_names() != packed_train_->class_names())
+      throw UsageError("--data packed:" + opts_.data_dir + ": val's classes.txt differs from train's (the labels would not match)");
     if (packed_val_ && (packed_val_->classes() != m.classes || packed_val_->size() < m.img))
       throw UsageError("--data packed:" + opts_.data_dir + "/val: " + std::to_string(packed_val_->classes()) + " classes of " +
                        std::to_string(packed_val_->size()) + "-pixel images; the model needs " +
@@ -103,6 +105,20 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     train_count_ = packed_train_->count();
     test_count_ = packed_val_ ? packed_val_->count() : 0;
     data_summary_ = "packed " + opts_.data_dir + " (" + std::to_string(packed_train_->size()) + " px, random resized crops and flips)";
+  }
+  if (ctx_.comm) {  // every rank must see the same data: the collectives of evaluation depend on it
+    int counts[4] = {train_count_, test_count_, -train_count_, -test_count_};
+    int* d = nullptr;
+    CUDA_CHECK(cudaMalloc(&d, sizeof counts));
+    CUDA_CHECK(cudaMemcpy(d, counts, sizeof counts, cudaMemcpyHostToDevice));
+    ctx_.comm->all_reduce(d, 4, ncclInt32, ncclMax);
+    CUDA_CHECK(cudaStreamSynchronize(ctx_.comm->stream()));
+    CUDA_CHECK(cudaMemcpy(counts, d, sizeof counts, cudaMemcpyDeviceToHost));
+    cudaFree(d);
+    if (counts[0] != -counts[2] || counts[1] != -counts[3])
+      throw RuntimeError("the ranks see different datasets (training images " + std::to_string(-counts[2]) + ".." +
+                         std::to_string(counts[0]) + ", test images " + std::to_string(-counts[3]) + ".." +
+                         std::to_string(counts[1]) + "): every process must read the same files");
   }
   if (train_count_ > 0) {
     if (int64_t(opts_.batch) * ctx_.world > train_count_)
@@ -169,7 +185,9 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   } else if (packed_train_) {
     train_loader_ = std::make_unique<PackedLoader>(*packed_train_, opts_.batch, cfg.img, true, opts_.seed, ctx_.rank,
                                                    ctx_.world);
-    if (packed_val_) test_loader_ = std::make_unique<PackedLoader>(*packed_val_, opts_.batch, cfg.img, false, opts_.seed);
+    if (packed_val_)
+      test_loader_ = std::make_unique<PackedLoader>(*packed_val_, opts_.batch, cfg.img, false, opts_.seed, ctx_.rank,
+                                                    ctx_.world);
   }
   if (train_loader_) {
     CUDA_CHECK(cudaMalloc(&loss_sum_, sizeof(float)));
@@ -206,11 +224,15 @@ void Trainer::save(int steps_done) {
   st.step = steps_done;
   st.epoch_loss_sum = loss_sum_ ? mean_over_ranks(loss_sum_) : 0.0f;  // a collective: every rank
   if (!ctx_.logs()) return;  // the ranks hold the same state; rank 0 writes it
+  // Never a checkpoint of a step whose collectives were cut short by an abort.
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (ctx_.comm) ctx_.comm->check();
   save_checkpoint(opts_.save_dir, opts_.keep, st, *model_, opts_, ctx_.world, stream_);
   char name[32];
   std::snprintf(name, sizeof name, "step-%08d", steps_done);
   std::printf("  checkpoint: %s/%s (the newest %d kept)\n", opts_.save_dir.c_str(), name, opts_.keep);
   log_json("\"step\": " + std::to_string(steps_done) + ", \"checkpoint\": \"" + opts_.save_dir + "/" + name + "\"");
+  if (ctx_.progress) ctx_.progress->fetch_add(1);
 }
 
 // One untimed forward and backward before the first step: each GEMM shape gets its algorithm
@@ -377,6 +399,7 @@ Trainer::Accuracy Trainer::evaluate() {
   CUDA_CHECK(cudaMemsetAsync(correct_, 0, 2 * sizeof(int), stream_));
   for (int i = ctx_.rank; i < test_loader_->batches_per_epoch(); i += ctx_.world) {  // this rank's share
     const int real = test_loader_->load(0, i, model_->images(), model_->labels(), stream_);
+    if (ctx_.progress) ctx_.progress->fetch_add(1);
     model_->forward(stream_, *gemm_, untimed);
     count_top_k(model_->logits(), model_->logits_ld(), opts_.model.classes, model_->labels(), real, 1, 5, correct_,
                 stream_);
@@ -473,11 +496,12 @@ void Trainer::train() {
       CUDA_CHECK(cudaEventRecord(end[slot], stream_));
     }
     end_step(step);
+    if (ctx_.progress) ctx_.progress->fetch_add(1);  // the supervisor's heartbeat (the host stalls when a collective hangs)
     if (step == opts_.profile_last) CUDA_CHECK(cudaProfilerStop());
 
     if (log_point) {  // the only host synchronisation of a plain run
       const float loss = mean_over_ranks(model_->loss());  // the global batch's mean loss
-      if (ctx_.progress) ctx_.progress->store(step + 1);
+      if (ctx_.comm) ctx_.comm->check();  // an asynchronous NCCL error, or an abort, surfaces here
       double window_ms = 0;
       for (int i = 0; i <= slot; ++i) {
         float ms = 0;

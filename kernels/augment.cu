@@ -27,11 +27,13 @@ __global__ void augment_kernel(const uint8_t* __restrict__ src, int size, float*
   const CropBox box = train ? random_resized_crop(size, seed, first_draw + b)
                             : CropBox{(size - W) / 2, (size - H) / 2, W, H, false};
   const int ox = box.flip ? W - 1 - x : x;
-  // Bilinear, pixel centres aligned (align_corners=False), edges replicated.
+  // Bilinear, pixel centres aligned (align_corners=False), the crop's own edges replicated (as
+  // torchvision's crop, then resize).
   const float sx = box.x0 + (ox + 0.5f) * box.w / W - 0.5f, sy = box.y0 + (y + 0.5f) * box.h / H - 0.5f;
   const float fx = floorf(sx), fy = floorf(sy), ax = sx - fx, ay = sy - fy;
-  const int x0 = min(max(int(fx), 0), size - 1), x1 = min(max(int(fx) + 1, 0), size - 1);
-  const int y0 = min(max(int(fy), 0), size - 1), y1 = min(max(int(fy) + 1, 0), size - 1);
+  const int xl = box.x0, xh = box.x0 + box.w - 1, yl = box.y0, yh = box.y0 + box.h - 1;
+  const int x0 = min(max(int(fx), xl), xh), x1 = min(max(int(fx) + 1, xl), xh);
+  const int y0 = min(max(int(fy), yl), yh), y1 = min(max(int(fy) + 1, yl), yh);
   const uint8_t* img = src + size_t(b) * size * size * 3;
   const size_t plane = size_t(H) * W;
   float* o = out + size_t(b) * 3 * plane + size_t(y) * W + x;

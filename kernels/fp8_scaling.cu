@@ -22,6 +22,10 @@ __global__ void gather_amax_kernel(const Fp8Meta* metas, int count, const int* n
   if (i < count) out[i] = isfinite(metas[i].amax) ? metas[i].amax : INFINITY;
   if (i == count) out[i] = (*non_finite || !isfinite(*loss)) ? 1.0f : 0.0f;
 }
+__global__ void nonfinite_to_inf_kernel(float* x, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n && !isfinite(x[i])) x[i] = INFINITY;
+}
 __global__ void scatter_amax_kernel(const float* in, Fp8Meta* metas, int count, int* non_finite) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < count) metas[i].amax = in[i];
@@ -49,5 +53,10 @@ void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, i
   ENSURE(history_len >= 1 && history_len <= kMaxAmaxHistory, "fp8_update_scales: history length out of range");
   if (count == 0) return;
   update_kernel<<<grid_for(count, 128), 128, 0, stream>>>(metas, count, history_len, margin, non_finite);
+  LAUNCH_CHECK();
+}
+
+void fp8_nonfinite_to_inf(float* x, int n, cudaStream_t stream) {
+  nonfinite_to_inf_kernel<<<grid_for(n, 128), 128, 0, stream>>>(x, n);
   LAUNCH_CHECK();
 }

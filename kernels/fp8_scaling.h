@@ -63,3 +63,5 @@ void fp8_tally_skip(const float* loss, int* non_finite, int* counters, cudaStrea
 void fp8_gather_amax(const Fp8Meta* metas, int count, const int* non_finite, const float* loss, float* out,
                      cudaStream_t stream);
 void fp8_scatter_amax(const float* in, Fp8Meta* metas, int count, int* non_finite, cudaStream_t stream);
+// x[i] = +infinity where it is not finite: a NaN amax survives an all-reduce (max), which drops NaNs.
+void fp8_nonfinite_to_inf(float* x, int n, cudaStream_t stream);

@@ -166,7 +166,10 @@ void ViT::produce_fp8(Fp8Meta* m, Fp8Kind kind, uint8_t* out, uint8_t* out_t, cu
   if (fp8_.current) {  // the tensor's own amax first (from zero), its scale from that alone
     CUDA_CHECK(cudaMemsetAsync(&m->amax, 0, sizeof(float), st));
     launch(Fp8Out{kind, nullptr, nullptr, nullptr, &m->amax});
-    if (amax_reduce_) amax_reduce_(&m->amax, 1, st);  // the global batch's amax
+    if (amax_reduce_) {  // the global batch's amax; a NaN as +inf, which a maximum keeps
+      fp8_nonfinite_to_inf(&m->amax, 1, st);
+      amax_reduce_(&m->amax, 1, st);
+    }
     fp8_update_scales(m, 1, 1, fp8_.margin, fp8_step_non_finite_, st);
     launch(Fp8Out{kind, &m->scale, out, out_t, fp8_amax_scratch_, stats(m)});
     return;

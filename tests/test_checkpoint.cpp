@@ -92,6 +92,17 @@ TEST_CASE("safetensors: missing, truncated and corrupted files are named, never 
   corrupt[8] = '#';  // the JSON header's opening brace
   write_bytes(p, corrupt);
   CHECK(read_error(p).find("not a valid safetensors file") != std::string::npos);
+  auto with_header = [&](const std::string& h) {  // an 8-byte length, the header, 8 data bytes
+    std::string f(8, '\0');
+    for (int i = 0; i < 8; ++i) f[i] = char((h.size() >> (8 * i)) & 0xFF);
+    write_bytes(p, f + h + std::string(8, '\0'));
+  };
+  with_header(std::string(100000, '[') + std::string(100000, ']'));  // a stack overflow, were it recursed
+  CHECK(read_error(p).find("nests too deep") != std::string::npos);
+  with_header(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})");
+  CHECK(read_error(p).find("appears twice") != std::string::npos);
+  with_header(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})");
+  CHECK(read_error(p).find("too large") != std::string::npos);
   fs::remove_all(d);
 }
 

@@ -68,11 +68,20 @@ Image decode(const std::vector<uint8_t>& b) {
     img.w = w;
     img.h = h;
     img.rgb.resize(size_t(w) * h * 3);
-    const int r = tjDecompress2(tj, b.data(), b.size(), img.rgb.data(), w, 0, h, TJPF_RGB, TJFLAG_ACCURATEDCT);
+    const bool cmyk = cs == TJCS_CMYK || cs == TJCS_YCCK;  // libturbojpeg decodes these to CMYK only
+    std::vector<uint8_t> ink(cmyk ? size_t(w) * h * 4 : 0);
+    const int r = cmyk ? tjDecompress2(tj, b.data(), b.size(), ink.data(), w, 0, h, TJPF_CMYK, TJFLAG_ACCURATEDCT)
+                       : tjDecompress2(tj, b.data(), b.size(), img.rgb.data(), w, 0, h, TJPF_RGB, TJFLAG_ACCURATEDCT);
     const bool fatal = r != 0 && tjGetErrorCode(tj) == TJERR_FATAL;
     const std::string e = tjGetErrorStr2(tj);
     tjDestroy(tj);
     if (fatal) throw std::runtime_error("corrupted JPEG (" + e + ")");
+    // CMYK JPEGs come from Adobe software, which stores the inks inverted (255: no ink); RGB as
+    // PIL converts it: R = 255 - min(255, C + K) with C = 255 - stored c.
+    for (size_t i = 0; cmyk && i < size_t(w) * h; ++i) {
+      const int k = ink[4 * i + 3];
+      for (int c = 0; c < 3; ++c) img.rgb[3 * i + c] = uint8_t(std::max(0, ink[4 * i + c] + k - 255));
+    }
     return img;
   }
   png_image p;
