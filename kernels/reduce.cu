@@ -97,32 +97,29 @@ void checksum(const float* x, size_t n, unsigned long long* out, cudaStream_t st
 
 namespace {
 constexpr int kNormBlocks = 1024, kNormThreads = 256;
+// The sum of the block's s, valid in thread 0 (a fixed order: deterministic).
+__device__ float block_sum(float s) {
+  __shared__ float w[kNormThreads / 32];
+  s = warp_sum(s);
+  if (threadIdx.x % 32 == 0) w[threadIdx.x / 32] = s;
+  __syncthreads();
+  float t = 0;
+  if (threadIdx.x == 0)
+    for (int i = 0; i < kNormThreads / 32; ++i) t += w[i];
+  return t;
+}
 __global__ void sum_squares_kernel(const float* __restrict__ x, size_t n, float* __restrict__ partial) {
   float s = 0;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     s = fmaf(x[i], x[i], s);
-  __shared__ float w[kNormThreads / 32];
-  s = warp_sum(s);
-  if (threadIdx.x % 32 == 0) w[threadIdx.x / 32] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0;
-    for (int i = 0; i < kNormThreads / 32; ++i) t += w[i];
-    partial[blockIdx.x] = t;
-  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 __global__ void sqrt_sum_kernel(const float* __restrict__ partial, int n, float* __restrict__ out) {
-  __shared__ float w[kNormThreads / 32];
   float s = 0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) s += partial[i];
-  s = warp_sum(s);
-  if (threadIdx.x % 32 == 0) w[threadIdx.x / 32] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0;
-    for (int i = 0; i < kNormThreads / 32; ++i) t += w[i];
-    *out = sqrtf(t);
-  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) *out = sqrtf(s);
 }
 }  // namespace
 

@@ -18,6 +18,7 @@
 #include "engine/checkpoint.h"
 #include "engine/safetensors.h"
 #include "tests/harness.h"
+#include "tests/shell.h"
 
 namespace fs = std::filesystem;
 
@@ -131,21 +132,8 @@ TEST_CASE("checkpoint: the newest complete checkpoint is found; half-written one
 
 // ---- GPU tier ----
 namespace {
-struct Run {
-  int code = -1;
-  std::string out;
-};
-Run shell(const std::string& cmd) {
-  Run r;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p);
-  char buf[4096];
-  size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, got);
-  const int st = ::pclose(p);
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
+using Run = CommandResult;
+Run shell(const std::string& cmd) { return run_command(cmd); }
 std::vector<std::pair<int, double>> step_losses(const std::string& out) {
   std::vector<std::pair<int, double>> v;
   std::istringstream in(out);

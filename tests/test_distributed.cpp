@@ -28,6 +28,7 @@
 #include "engine/check.h"
 #include "engine/distributed.h"
 #include "tests/harness.h"
+#include "tests/shell.h"
 
 namespace {
 std::function<const char*(const char*)> env(std::map<std::string, std::string> vars) {
@@ -171,24 +172,8 @@ int gpu_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : (cudaGetLastError(), 0);
 }
 
-struct Run {
-  int code = -1;
-  std::string out;
-  double seconds = 0;
-};
-Run shell(const std::string& cmd) {
-  Run r;
-  const auto t0 = std::chrono::steady_clock::now();
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p);
-  char buf[4096];
-  size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, got);
-  const int st = ::pclose(p);
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return r;
-}
+using Run = CommandResult;
+Run shell(const std::string& cmd) { return run_command(cmd); }
 
 // The loss column of vit_train's progress lines ("  3/10      2.3012 ...").
 std::vector<double> losses(const std::string& out) {

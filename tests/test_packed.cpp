@@ -22,6 +22,7 @@
 #include "kernels/augment.h"
 #include "tests/gpu_util.h"
 #include "tests/harness.h"
+#include "tests/shell.h"
 
 namespace fs = std::filesystem;
 
@@ -153,14 +154,9 @@ fs::path temp_dir(const std::string& tag) {
   return p;
 }
 std::string run(const std::string& cmd, int* code) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
-  const int st = ::pclose(p);
-  *code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return out;
+  const CommandResult r = run_command(cmd);
+  *code = r.code;
+  return r.out;
 }
 std::string open_error(const fs::path& dir) {
   try {
