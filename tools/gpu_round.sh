@@ -11,7 +11,8 @@
 # in fp8 with --fp8-stats), timing_heuristic (the breakdown with cuBLASLt's heuristic GEMM choices) and
 # ncu (Nsight Compute's speed-of-light of each non-GEMM kernel and each GEMM of one block), and
 # ref_ckpt (a checkpoint loaded by timm strictly, and through --init-from checked against timm),
-# packed (Fashion-MNIST through the packed data path end to end, and the loader's images/s).
+# ref_timm_init (weights timm initialised, through --init-from, against timm), packed
+# (Fashion-MNIST through the packed data path end to end, and the loader's images/s).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small bench timing ref_h)
 set -uo pipefail
@@ -74,6 +75,19 @@ print('timm loaded the checkpoint strictly:', sum(p.numel() for p in m.parameter
       run ref_ckpt_dump ./vit_train $SMALL --lr 0.05 --steps 10 --init-from /tmp/ckpt/step-00000010/model.safetensors \
         --dump-reference /tmp/ref_ckpt
       run ref_ckpt python3 tools/timm_reference.py /tmp/ref_ckpt ;;
+    ref_timm_init)  # a model timm itself initialised and saved, loaded with --init-from: timm's logits
+      rm -rf /tmp/timm_init /tmp/ref_timm_init
+      mkdir -p /tmp/timm_init
+      run timm_init_save python3 -c "
+import timm, torch
+from safetensors.torch import save_file
+torch.manual_seed(0)
+m = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, in_chans=3, num_classes=10,
+    embed_dim=64, depth=2, num_heads=4)
+save_file({k: v.contiguous() for k, v in m.state_dict().items()}, '/tmp/timm_init/model.safetensors')"
+      run ref_timm_init_dump ./vit_train $SMALL --lr 0.05 --steps 10 --init-from /tmp/timm_init/model.safetensors \
+        --dump-reference /tmp/ref_timm_init
+      run ref_timm_init python3 tools/timm_reference.py /tmp/ref_timm_init ;;
     packed)  # the packed data path end to end: Fashion-MNIST as a PNG tree, packed, trained in fp8
       rm -rf /tmp/fm_tree /tmp/fm_packed
       run fm_tree_train python3 tools/idx_to_imagefolder.py "${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}/train-images-idx3-ubyte.gz" \
