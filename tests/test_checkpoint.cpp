@@ -3,8 +3,11 @@
 // resumed gives the uninterrupted run's losses bit for bit (bf16 and fp8, cosine schedule); the
 // newest K are kept; bad checkpoints and timm files are refused with a clear message.
 #include <doctest/doctest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <cstdio>
 #include <cstring>
@@ -104,6 +107,33 @@ TEST_CASE("safetensors: missing, truncated and corrupted files are named, never 
   CHECK(read_error(p).find("appears twice") != std::string::npos);
   with_header(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})");
   CHECK(read_error(p).find("too large") != std::string::npos);
+  fs::remove_all(d);
+}
+
+TEST_CASE("safetensors: a write that fails half way (a full disk) leaves the previous file whole") {
+  const fs::path d = temp_dir("full");
+  const std::string path = (d / "model.safetensors").string();
+  const std::vector<float> small(16, 1.0f), big(1 << 20, 2.0f);  // 64 B and 4 MiB of data
+  write_safetensors(path, {{"w", "F32", {16}, small.data(), small.size() * 4}});
+  // A 1 MiB file-size limit stands in for a full disk: the write fails with EFBIG part way.
+  struct rlimit old;
+  ::getrlimit(RLIMIT_FSIZE, &old);
+  struct rlimit lim = old;
+  lim.rlim_cur = 1 << 20;
+  void (*previous)(int) = std::signal(SIGXFSZ, SIG_IGN);  // else the process is killed
+  ::setrlimit(RLIMIT_FSIZE, &lim);
+  std::string err;
+  try {
+    write_safetensors(path, {{"w", "F32", {1 << 20}, big.data(), big.size() * 4}});
+  } catch (const RuntimeError& e) {
+    err = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, previous);
+  CHECK(err.find("cannot write") != std::string::npos);
+  CHECK(!fs::exists(path + ".tmp"));
+  const SafetensorsFile f(path);  // the old file, whole
+  CHECK(f.as_f32("w", {16}) == small);
   fs::remove_all(d);
 }
 
