@@ -22,7 +22,7 @@ LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
 .PHONY: all test bench profile clean test-deps
-all: vit_train gemm_rate loader_rate
+all: vit_train gemm_rate loader_rate attention_rate
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
@@ -39,6 +39,10 @@ $(BUILD)/tools/pack_images.o: tools/pack_images.cpp | test-deps
 
 # The packed data path's images/s on one GPU, augmentation included.
 loader_rate: $(LIB_OBJ) $(BUILD)/tools/loader_rate.o
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
+# The fused attention alone at ViT shapes (tools/attention_bench.py: PyTorch's backends).
+attention_rate: $(LIB_OBJ) $(BUILD)/tools/attention_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 # cuBLASLt's rate at one ViT block's GEMM shapes, through the engine's GEMM entry point.
@@ -77,6 +81,6 @@ profile: vit_train
 	  ./vit_train --steps 15 --profile-steps 10:14
 
 clean:
-	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate
+	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

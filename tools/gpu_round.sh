@@ -11,7 +11,8 @@
 # in fp8 with --fp8-stats), timing_heuristic (the breakdown with cuBLASLt's heuristic GEMM choices) and
 # ncu (Nsight Compute's speed-of-light of each non-GEMM kernel and each GEMM of one block), and
 # ref_ckpt (a checkpoint loaded by timm strictly, and through --init-from checked against timm),
-# ref_timm_init (weights timm initialised, through --init-from, against timm), packed
+# ref_timm_init (weights timm initialised, through --init-from, against timm), attention (the
+# fused attention next to PyTorch's cuDNN and flash backends), packed
 # (Fashion-MNIST through the packed data path end to end, and the loader's images/s).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small bench timing ref_h)
@@ -75,6 +76,9 @@ print('timm loaded the checkpoint strictly:', sum(p.numel() for p in m.parameter
       run ref_ckpt_dump ./vit_train $SMALL --lr 0.05 --steps 10 --init-from /tmp/ckpt/step-00000010/model.safetensors \
         --dump-reference /tmp/ref_ckpt
       run ref_ckpt python3 tools/timm_reference.py /tmp/ref_ckpt ;;
+    attention)  # the fused attention alone next to PyTorch's SDPA backends (issue 7's yardstick)
+      run attention_rate ./attention_rate
+      run attention_bench python3 tools/attention_bench.py ;;
     ref_timm_init)  # a model timm itself initialised and saved, loaded with --init-from: timm's logits
       rm -rf /tmp/timm_init /tmp/ref_timm_init
       mkdir -p /tmp/timm_init

@@ -1,0 +1,99 @@
+// attention_rate: the engine's fused attention (kernels/attention.h) timed alone at ViT shapes:
+// forward, backward and both, CUDA events, median of 20 after 5 untimed. FLOPs as
+// FlashAttention counts them: forward 4 B H T^2 hd, backward 2.5x that (the score recompute
+// included); tools/attention_bench.py measures PyTorch's cuDNN and flash backends the same way.
+// Usage: attention_rate [B H T HD ...]   (default: ViT-H/16 at batch 64, ViT-L/16 at 384 px,
+//                                       ViT-B/16, ViT-S/16 at batch 256)
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "engine/check.h"
+#include "kernels/attention.h"
+#include "kernels/elementwise.h"
+#include "kernels/random.h"
+
+namespace {
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::vector<int>> shapes = {{64, 16, 197, 80}, {32, 16, 577, 64}, {256, 12, 197, 64}, {256, 6, 197, 64}};
+  if (argc > 1) {
+    if ((argc - 1) % 4 != 0) {
+      std::fprintf(stderr, "usage: attention_rate [B H T HD ...]\n");
+      return 2;
+    }
+    shapes.clear();
+    for (int i = 1; i + 3 < argc; i += 4)
+      shapes.push_back({std::atoi(argv[i]), std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
+  }
+  try {
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    std::printf("%-22s %10s %10s %10s %12s %12s\n", "B H T hd", "fwd ms", "bwd ms", "both ms", "fwd TFLOP/s",
+                "both TFLOP/s");
+    for (const auto& s : shapes) {
+      const int B = s[0], H = s[1], T = s[2], hd = s[3], D = H * hd;
+      if (B <= 0 || H <= 0 || T <= 0 || hd <= 0) {
+        std::fprintf(stderr, "attention_rate: shapes must be positive\n");
+        return 2;
+      }
+      const std::string why = attention_unsupported_reason(T, hd);
+      if (!why.empty()) {
+        std::printf("%d %d %d %d: not supported (%s)\n", B, H, T, hd, why.c_str());
+        continue;
+      }
+      const size_t rows = size_t(B) * T;
+      float* tmp;
+      __nv_bfloat16 *qkv, *out, *dout, *dqkv;
+      float *lse, *delta;
+      CUDA_CHECK(cudaMalloc(&tmp, rows * 3 * D * sizeof(float)));
+      CUDA_CHECK(cudaMalloc(&qkv, rows * 3 * D * 2));
+      CUDA_CHECK(cudaMalloc(&dqkv, rows * 3 * D * 2));
+      CUDA_CHECK(cudaMalloc(&out, rows * D * 2));
+      CUDA_CHECK(cudaMalloc(&dout, rows * D * 2));
+      CUDA_CHECK(cudaMalloc(&lse, size_t(B) * H * T * 4));
+      CUDA_CHECK(cudaMalloc(&delta, size_t(B) * H * T * 4));
+      fill_normal(tmp, rows * 3 * D, 1, 1, 0, 1, -1e30f, 1e30f, 0);
+      cast_to_bf16(tmp, qkv, rows * 3 * D, 0);
+      cast_to_bf16(tmp, dout, rows * D, 0);
+      auto time = [&](auto launch) {
+        for (int i = 0; i < 5; ++i) launch();
+        std::vector<float> ms(20);
+        for (float& t : ms) {
+          CUDA_CHECK(cudaEventRecord(e0));
+          launch();
+          CUDA_CHECK(cudaEventRecord(e1));
+          CUDA_CHECK(cudaEventSynchronize(e1));
+          CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+        }
+        return median(ms);
+      };
+      auto fwd = [&] { attention_forward(qkv, out, lse, B, T, H, hd, 0); };
+      auto bwd = [&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0); };
+      fwd();
+      const double f = time(fwd), b = time(bwd), both = time([&] { fwd(); bwd(); });
+      const double flop = 4.0 * B * H * double(T) * T * hd;
+      char name[64];
+      std::snprintf(name, sizeof name, "%d %d %d %d", B, H, T, hd);
+      std::printf("%-22s %10.3f %10.3f %10.3f %12.1f %12.1f\n", name, f, b, both, flop / (f * 1e-3) / 1e12,
+                  3.5 * flop / (both * 1e-3) / 1e12);
+      std::printf("RESULT attention shape=%d,%d,%d,%d fwd_ms=%.4f bwd_ms=%.4f both_ms=%.4f\n", B, H, T, hd, f, b, both);
+      for (void* p : {static_cast<void*>(tmp), static_cast<void*>(qkv), static_cast<void*>(dqkv), static_cast<void*>(out),
+                      static_cast<void*>(dout), static_cast<void*>(lse), static_cast<void*>(delta)})
+        CUDA_CHECK(cudaFree(p));
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attention_rate: error: %s\n", e.what());
+    return 1;
+  }
+}
