@@ -89,6 +89,26 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(usage_error({"--channels", "64", "--patch", "8192", "--img", "8192"}).find("channels*patch*patch") !=
         std::string::npos);
   CHECK(usage_error({"--img", "4096", "--patch", "8"}).find("tokens per image") != std::string::npos);
+  CHECK(usage_error({"--save-every", "10"}).find("--save-every needs --save DIR") != std::string::npos);
+  CHECK(usage_error({"--resume", "a", "--init-from", "b"}).find("exclude each other") != std::string::npos);
+  CHECK(usage_error({"--data", "packed"}).find("packed:DIR needs the directory") != std::string::npos);
+  CHECK(usage_error({"--data", "packed:/nonexistent"}).find("no /nonexistent/train directory") != std::string::npos);
+  CHECK(usage_error({"--data", "packed:/tmp", "--channels", "1"}).find("--channels 3") != std::string::npos);
+  CHECK(usage_error({"--label-smoothing", "1"}).find("--label-smoothing must be between") != std::string::npos);
+  CHECK(usage_error({"--clip-grad", "0"}).find("--clip-grad must be between") != std::string::npos);
+  CHECK(usage_error({"--reduce-dtype", "fp16"}).find("unknown --reduce-dtype 'fp16'") != std::string::npos);
+  CHECK(usage_error({"--comm-ctas", "99"}).find("--comm-ctas must be between") != std::string::npos);
+  CHECK(usage_error({"--keep", "0"}).find("--keep must be between") != std::string::npos);
+  const TrainOptions t = parse({"--gpus", "2", "--bucket-mb", "50", "--reduce-dtype", "bf16", "--clip-grad", "1.5",
+                                "--label-smoothing", "0.1", "--save", "ckpt", "--save-every", "100", "--keep", "5"});
+  CHECK(t.gpus == 2);
+  CHECK(t.bucket_mb == 50);
+  CHECK(t.reduce_dtype == "bf16");
+  CHECK(t.clip_grad == 1.5);
+  CHECK(t.label_smoothing == 0.1);
+  CHECK(t.save_dir == "ckpt");
+  CHECK(t.save_every == 100);
+  CHECK(t.keep == 5);
 }
 
 TEST_CASE("model: ViT-H/16 has timm's 632,199,400 parameters in 392 tensors") {
