@@ -75,7 +75,7 @@ void copy_to_device(float* dst, const std::vector<float>& src, cudaStream_t stre
 }
 }  // namespace
 
-void save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, ViT& model,
+std::string save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, ViT& model,
                      const TrainOptions& opts, int world, cudaStream_t stream) {
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -135,6 +135,7 @@ void save_checkpoint(const std::string& dir, int keep, const CheckpointState& st
   all.erase(std::remove_if(all.begin(), all.end(), [&](const fs::path& p) { return step_of(p) > state.step; }),
             all.end());
   for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i], ec);
+  return final_path.string();
 }
 
 std::string latest_checkpoint(const std::string& dir) {

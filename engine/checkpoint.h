@@ -22,10 +22,11 @@ struct CheckpointState {
   float epoch_loss_sum = 0;  // the running epoch's summed loss, for its mean
 };
 
-// Saves after `state.step` steps into dir (created if needed); removes all but the newest
-// `keep` checkpoints. Synchronises the stream. Throws RuntimeError naming the path and the cause
-// (a full disk, no permission); a failed save leaves every earlier checkpoint as it was.
-void save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, ViT& model,
+// Saves after `state.step` steps into dir (created if needed) and returns the checkpoint's path;
+// removes all but the newest `keep` checkpoints. Synchronises the stream. Throws RuntimeError
+// naming the path and the cause (a full disk, no permission); a failed save leaves every earlier
+// checkpoint as it was.
+std::string save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, ViT& model,
                      const TrainOptions& opts, int world, cudaStream_t stream);
 
 // The newest complete checkpoint under dir (dir itself if it is one); throws if there is none.

@@ -227,11 +227,9 @@ void Trainer::save(int steps_done) {
   // Never a checkpoint of a step whose collectives were cut short by an abort.
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (ctx_.comm) ctx_.comm->check();
-  save_checkpoint(opts_.save_dir, opts_.keep, st, *model_, opts_, ctx_.world, stream_);
-  char name[32];
-  std::snprintf(name, sizeof name, "step-%08d", steps_done);
-  std::printf("  checkpoint: %s/%s (the newest %d kept)\n", opts_.save_dir.c_str(), name, opts_.keep);
-  log_json("\"step\": " + std::to_string(steps_done) + ", \"checkpoint\": \"" + opts_.save_dir + "/" + name + "\"");
+  const std::string path = save_checkpoint(opts_.save_dir, opts_.keep, st, *model_, opts_, ctx_.world, stream_);
+  std::printf("  checkpoint: %s (the newest %d kept)\n", path.c_str(), opts_.keep);
+  log_json("\"step\": " + std::to_string(steps_done) + ", \"checkpoint\": \"" + path + "\"");
   if (ctx_.progress) ctx_.progress->fetch_add(1);
 }
 

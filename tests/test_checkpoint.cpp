@@ -26,9 +26,8 @@
 namespace fs = std::filesystem;
 
 namespace {
-fs::path temp_dir(const std::string& tag) {
-  const fs::path p = fs::temp_directory_path() / ("vit_ckpt_" + tag + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
+fs::path temp_dir(const std::string& tag) {  // created: the tests write into it
+  const fs::path p = fresh_temp_dir("ckpt_" + tag);
   fs::create_directories(p);
   return p;
 }
@@ -164,17 +163,7 @@ TEST_CASE("checkpoint: the newest complete checkpoint is found; half-written one
 namespace {
 using Run = CommandResult;
 Run shell(const std::string& cmd) { return run_command(cmd); }
-std::vector<std::pair<int, double>> step_losses(const std::string& out) {
-  std::vector<std::pair<int, double>> v;
-  std::istringstream in(out);
-  std::string line;
-  while (std::getline(in, line)) {
-    int step = 0, steps = 0;
-    double loss = 0;
-    if (std::sscanf(line.c_str(), " %d/%d %lf", &step, &steps, &loss) == 3) v.emplace_back(step, loss);
-  }
-  return v;
-}
+const auto step_losses = progress_losses;
 const std::string kSmall = "./vit_train --img 32 --patch 8 --channels 3 --classes 10 --dim 64 --depth 2 --heads 4 "
                            "--batch 16 --lr 0.05 --lr-schedule cosine --warmup-steps 3 --steps 20 --warmup 2 "
                            "--log-every 1 --no-gemm-autotune";

@@ -175,16 +175,10 @@ int gpu_count() {
 using Run = CommandResult;
 Run shell(const std::string& cmd) { return run_command(cmd); }
 
-// The loss column of vit_train's progress lines ("  3/10      2.3012 ...").
+// The loss column of vit_train's progress lines.
 std::vector<double> losses(const std::string& out) {
   std::vector<double> v;
-  std::istringstream in(out);
-  std::string line;
-  while (std::getline(in, line)) {
-    int step = 0, steps = 0;
-    double loss = 0;
-    if (std::sscanf(line.c_str(), " %d/%d %lf", &step, &steps, &loss) == 3) v.push_back(loss);
-  }
+  for (const auto& [step, loss] : progress_losses(out)) v.push_back(loss);
   return v;
 }
 

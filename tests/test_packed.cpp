@@ -148,11 +148,7 @@ void write(const fs::path& p, const std::string& bytes) {
   fs::create_directories(p.parent_path());
   std::ofstream(p, std::ios::binary) << bytes;
 }
-fs::path temp_dir(const std::string& tag) {
-  const fs::path p = fs::temp_directory_path() / ("vit_packed_" + tag + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  return p;
-}
+fs::path temp_dir(const std::string& tag) { return fresh_temp_dir("packed_" + tag); }
 std::string run(const std::string& cmd, int* code) {
   const CommandResult r = run_command(cmd);
   *code = r.code;

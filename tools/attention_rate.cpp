@@ -15,13 +15,7 @@
 #include "kernels/attention.h"
 #include "kernels/elementwise.h"
 #include "kernels/random.h"
-
-namespace {
-double median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-}  // namespace
+#include "tools/event_timing.h"
 
 int main(int argc, char** argv) {
   std::vector<std::vector<int>> shapes = {{64, 16, 197, 80}, {32, 16, 577, 64}, {256, 12, 197, 64}, {256, 6, 197, 64}};
@@ -35,9 +29,6 @@ int main(int argc, char** argv) {
       shapes.push_back({std::atoi(argv[i]), std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
   }
   try {
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
     std::printf("%-22s %10s %10s %10s %12s %12s\n", "B H T hd", "fwd ms", "bwd ms", "both ms", "fwd TFLOP/s",
                 "both TFLOP/s");
     for (const auto& s : shapes) {
@@ -65,22 +56,10 @@ int main(int argc, char** argv) {
       fill_normal(tmp, rows * 3 * D, 1, 1, 0, 1, -1e30f, 1e30f, 0);
       cast_to_bf16(tmp, qkv, rows * 3 * D, 0);
       cast_to_bf16(tmp, dout, rows * D, 0);
-      auto time = [&](auto launch) {
-        for (int i = 0; i < 5; ++i) launch();
-        std::vector<float> ms(20);
-        for (float& t : ms) {
-          CUDA_CHECK(cudaEventRecord(e0));
-          launch();
-          CUDA_CHECK(cudaEventRecord(e1));
-          CUDA_CHECK(cudaEventSynchronize(e1));
-          CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-        }
-        return median(ms);
-      };
       auto fwd = [&] { attention_forward(qkv, out, lse, B, T, H, hd, 0); };
       auto bwd = [&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0); };
       fwd();
-      const double f = time(fwd), b = time(bwd), both = time([&] { fwd(); bwd(); });
+      const double f = median_event_ms(fwd), b = median_event_ms(bwd), both = median_event_ms([&] { fwd(); bwd(); });
       const double flop = 4.0 * B * H * double(T) * T * hd;
       char name[64];
       std::snprintf(name, sizeof name, "%d %d %d %d", B, H, T, hd);

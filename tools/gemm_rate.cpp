@@ -19,6 +19,7 @@
 #include "kernels/elementwise.h"
 #include "kernels/fp8.h"
 #include "kernels/random.h"
+#include "tools/event_timing.h"
 
 namespace {
 struct Product {
@@ -29,11 +30,6 @@ struct Product {
   bool in_block;  // one of the block's twelve, summed into the block total
 };
 
-double median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,22 +81,6 @@ int main(int argc, char** argv) {
     for (__nv_bfloat16* p : {a, b, c}) CUDA_CHECK(cudaMemcpy(p, hb.data(), most * 2, cudaMemcpyHostToDevice));
 
     Gemm gemm(32u << 20);
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    // The median of 20 timed launches after 5 untimed ones.
-    auto median_ms = [&](const auto& launch) {
-      for (int i = 0; i < 5; ++i) launch();
-      std::vector<float> ms(20);
-      for (float& t : ms) {
-        CUDA_CHECK(cudaEventRecord(e0));
-        launch();
-        CUDA_CHECK(cudaEventRecord(e1));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-      }
-      return median(ms);
-    };
     std::printf("%-18s %7s %7s %7s %10s %10s\n", "product", "M", "N", "K", "ms", "TFLOP/s");
     double block_ms = 0, block_flops = 0;
     for (const Product& p : products) {
@@ -113,7 +93,7 @@ int main(int argc, char** argv) {
           case Product::WeightGrad: gemm.linear_backward_weight(a, b, out, p.bias ? x32 : nullptr, p.M, p.N, p.K, 0); break;
         }
       };
-      const double m = median_ms(launch), flops = 2.0 * p.M * p.N * p.K;
+      const double m = median_event_ms(launch), flops = 2.0 * p.M * p.N * p.K;
       std::printf("%-18s %7d %7d %7d %10.3f %10.1f\n", p.name, p.M, p.N, p.K, m, flops / (m * 1e-3) / 1e12);
       if (p.in_block) { block_ms += m; block_flops += flops; }
     }
@@ -159,7 +139,7 @@ int main(int argc, char** argv) {
         gemm.linear_fp8(a8, p.a_type, one, b8, DType::E4M3, one, p.bias ? b : nullptr, p.residual ? x32 : nullptr,
                         p.y_type == DType::F32 ? static_cast<void*>(out) : c, p.y_type, p.M, p.N, p.K, 0, 0, p.fast);
       };
-      const double m = median_ms(launch), flops = 2.0 * p.M * p.N * p.K;
+      const double m = median_event_ms(launch), flops = 2.0 * p.M * p.N * p.K;
       std::printf("%-18s %7d %7d %7d %10.3f %10.1f\n", p.name.c_str(), p.M, p.N, p.K, m, flops / (m * 1e-3) / 1e12);
       if (p.in_block) { block_ms += m; block_flops += flops; }
     }
