@@ -231,6 +231,22 @@ TEST_CASE("gpu: the newest K checkpoints are kept; bad checkpoints and timm file
   CHECK(truncated.out.find("state.safetensors") != std::string::npos);
   CHECK(fs::file_size(d / "step-00000008" / "state.safetensors") > 0);
 
+  // A disk that fills during a save (a 64 KiB file-size limit, SIGXFSZ ignored so the write fails
+  // with EFBIG as on a full disk): exit 1, the file named, no temporary left, the kept checkpoints whole.
+  const std::string model8 = (d / "step-00000008" / "model.safetensors").string(), before8 = file_bytes(model8);
+  const std::string model10 = (d / "step-00000010" / "model.safetensors").string(), before10 = file_bytes(model10);
+  Run full = shell("bash -c 'trap \"\" XFSZ; ulimit -f 64; exec " + kSmall + " --steps 10 --resume " +
+                   (d / "step-00000008").string() + " --save " + d.string() + " --save-every 2 --keep 3'");
+  CAPTURE(full.out);
+  CHECK(full.code == 1);
+  CHECK(full.out.find("cannot write") != std::string::npos);
+  CHECK(full.out.find(".step-00000010.tmp/model.safetensors") != std::string::npos);
+  CHECK(!fs::exists(d / ".step-00000010.tmp"));
+  CHECK(file_bytes(model8) == before8);
+  CHECK(file_bytes(model10) == before10);  // the step being saved again: the old copy stays in place
+  CHECK(SafetensorsFile(model8).tensors().size() == 32);
+  CHECK(fs::exists(d / "step-00000006" / "state.safetensors"));
+
   // --init-from: a checkpoint's model file is a timm file; a model it does not fit is refused.
   const std::string weights = (d / "step-00000008" / "model.safetensors").string();
   Run init = shell(kSmall + " --steps 4 --init-from " + weights);
