@@ -60,20 +60,36 @@ __host__ __device__ constexpr int dkdv_smem_bytes(int hd) {
   return 6 * tile_bytes(hd) + 2 * 2 * kTile * int(sizeof(float));
 }
 
-// Per-head-dim tuning, fixed by ptxas -v: the largest blocking that leaves every instantiation
-// without spills. kSub: the width of the column block (queries in dKdV, keys in dQ) a warp holds
-// in registers at once (S and dP are 16 x kSub fp32 each); above hd 96 the 16 x hd dK + dV (or
-// Q, dO and dQ) leave no room for 64. *MinBlocks: the blocks per SM asked of __launch_bounds__,
-// which caps registers at 65536 / (128 * blocks): 168 for 3, 255 for 2. The backward kernels need
-// the full 255 at every hd >= 64 once their products run unguarded (ptxas spills under 168).
+// Per-head-dim tuning. kSub: the width of the column block (queries in dKdV, keys in dQ) a warp
+// holds in registers at once (S and dP are 16 x kSub fp32 each). *MinBlocks: the blocks per SM
+// asked of __launch_bounds__, which caps registers at 65536 / (128 * blocks): 168 for 3, 255 for
+// 2. These kernels are latency-bound (Nsight Compute: tensor and shared-memory pipes ~30% busy),
+// so warps per SM count for more than the width of a register block: up to hd 80 the backward
+// runs 32-wide blocks at 168 registers, 3 blocks per SM, without spills (against 64-wide blocks
+// at 255 registers, 2 blocks: dKdV 163 -> 157 us, dQ 128 -> 120 us at (64, 16, 197, 80);
+// BENCHMARKS.md, 17). Above hd 80 shared memory allows 2 blocks only; at hd 128 dKdV's 16 x hd
+// dK + dV leave room for 16-wide blocks only. The forward at 128 registers (4 blocks) spills
+// and is slower. Building with -DATT_SWEEP and the ATT_* values below makes one variant of a
+// sweep (tools/attention_sweep.sh).
+#ifndef ATT_SWEEP
 template <int HD>
 struct Tuning {
   static constexpr int kFwdMinBlocks = HD <= 32 ? 4 : (HD <= 96 ? 3 : 2);
-  static constexpr int kDkdvSub = HD <= 96 ? 64 : (HD <= 112 ? 32 : 16);
-  static constexpr int kDkdvMinBlocks = 2;
-  static constexpr int kDqSub = HD <= 96 ? 64 : 32;
-  static constexpr int kDqMinBlocks = 2;
+  static constexpr int kDkdvSub = HD <= 112 ? 32 : 16;
+  static constexpr int kDkdvMinBlocks = HD <= 80 ? 3 : 2;
+  static constexpr int kDqSub = 32;
+  static constexpr int kDqMinBlocks = HD <= 80 ? 3 : 2;
 };
+#else
+template <int HD>
+struct Tuning {
+  static constexpr int kFwdMinBlocks = ATT_FWD_MINB;
+  static constexpr int kDkdvSub = ATT_DKDV_SUB;
+  static constexpr int kDkdvMinBlocks = ATT_DKDV_MINB;
+  static constexpr int kDqSub = ATT_DQ_SUB;
+  static constexpr int kDqMinBlocks = ATT_DQ_MINB;
+};
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers.

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The attention kernels' tuning (kernels/attention.cu, struct Tuning) swept: one attention_rate
+# per setting, built here, run on the GPU machine.
+#
+#   tools/attention_sweep.sh build DIR SETTING...   SETTING = FWD_MINB,DKDV_SUB,DKDV_MINB,DQ_SUB,DQ_MINB
+#                                                   (e.g. 3,64,2,64,2); prints ptxas's registers
+#                                                   and spills for hd 80 per setting
+#   tools/attention_sweep.sh run DIR [B H T HD...]  runs every attention_rate_* of DIR
+#
+# A setting applies to every head dim of its build; make must have built the library first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:?usage: attention_sweep.sh build|run DIR ...}
+dir=${2:?usage: attention_sweep.sh build|run DIR ...}
+shift 2
+case $mode in
+  build)
+    mkdir -p "$dir"
+    lib=$(make -p -n 2>/dev/null | sed -n 's/^LIB_OBJ := //p' | head -1 | sed 's#build/kernels/attention.o##')
+    for setting in "$@"; do
+      IFS=, read -r fwd dkdv_sub dkdv_minb dq_sub dq_minb <<<"$setting"
+      name="attention_rate_${fwd}_${dkdv_sub}_${dkdv_minb}_${dq_sub}_${dq_minb}"
+      nvcc -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -I. -DATT_SWEEP \
+        -DATT_FWD_MINB="$fwd" -DATT_DKDV_SUB="$dkdv_sub" -DATT_DKDV_MINB="$dkdv_minb" -DATT_DQ_SUB="$dq_sub" \
+        -DATT_DQ_MINB="$dq_minb" -Xptxas -v -c kernels/attention.cu -o "$dir/$name.o" 2>&1 |
+        grep -A3 "Compiling entry.*Li80E" | grep -E "Used|spill" | sed "s/^/$name: /"
+      # shellcheck disable=SC2086
+      nvcc -o "$dir/$name" "$dir/$name.o" $lib build/tools/attention_rate.o -gencode arch=compute_90a,code=sm_90a \
+        -L/usr/local/cuda/lib64 -lcublasLt -lnccl -lz -lpthread -Xlinker -rpath,/usr/local/cuda/lib64
+      rm "$dir/$name.o"
+    done ;;
+  run)
+    for exe in "$dir"/attention_rate_*; do
+      echo "== ${exe##*/attention_rate_} (fwd min blocks, dKdV sub, min blocks, dQ sub, min blocks)"
+      "$exe" "$@"
+    done ;;
+  *) echo "attention_sweep.sh: unknown mode $mode (build or run)" >&2; exit 2 ;;
+esac
