@@ -12,8 +12,9 @@ struct TrainOptions {
   int gpus = 1;  // worker threads (one GPU each) of this process
   int bucket_mb = 25;  // gradient all-reduce bucket size
   std::string reduce_dtype = "fp32";  // or "bf16"
-  int comm_timeout = 300;
-  int comm_ctas = 0;  // NCCL's thread blocks at most (0: NCCL's choice)  // seconds without a finished step before a data-parallel run gives up
+  bool comm_overlap = true;  // all-reduce each bucket during the backward (false: after it)
+  int comm_timeout = 300;  // seconds without a finished step before a data-parallel run gives up
+  int comm_ctas = 0;  // NCCL's thread blocks at most (0: NCCL's choice)
   std::string precision = "bf16";  // or "fp8"
   std::string fp8_recipe = "delayed";  // or "current"
   int amax_history = 16;

@@ -85,8 +85,8 @@ void Comm::all_gather(const void* send, void* recv, size_t count, ncclDataType_t
 }
 
 GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype,
-                   __nv_bfloat16* staging, cudaStream_t compute)
-    : comm_(comm), grads_(grads), dtype_(dtype), staging_(staging), compute_(compute) {
+                   __nv_bfloat16* staging, cudaStream_t compute, bool overlap)
+    : comm_(comm), grads_(grads), dtype_(dtype), staging_(staging), compute_(compute), overlap_(overlap) {
   ENSURE(bucket_floats > 0 && (dtype == ReduceDType::F32 || staging), "GradSync: empty buckets or no staging");
   for (size_t end = count; end > 0;) {
     const size_t begin = end > bucket_floats ? end - bucket_floats : 0;
@@ -140,6 +140,10 @@ void GradSync::launch(Bucket& b) {
 }
 
 void GradSync::ready_from(size_t offset) {
+  if (overlap_) launch_from(offset);
+}
+
+void GradSync::launch_from(size_t offset) {
   bool ordered = false;
   for (Bucket& b : buckets_) {
     if (b.launched || b.begin < offset) continue;
@@ -150,6 +154,6 @@ void GradSync::ready_from(size_t offset) {
 }
 
 void GradSync::finish() {
-  ready_from(0);
+  launch_from(0);
   comm_.order(comm_.stream(), compute_);
 }

@@ -68,8 +68,10 @@ enum class ReduceDType { F32, BF16 };
 // the compute stream wait for all of it.
 class GradSync {
  public:
+  // overlap: ready_from() starts the buckets it completes at once, during the backward; without
+  // it every bucket starts in finish().
   GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype, __nv_bfloat16* staging,
-           cudaStream_t compute);
+           cudaStream_t compute, bool overlap = true);
   static size_t staging_elements(size_t count, ReduceDType dtype) { return dtype == ReduceDType::BF16 ? count : 0; }
 
   void begin_step();
@@ -91,11 +93,13 @@ class GradSync {
     cudaEvent_t start = nullptr, stop = nullptr;
   };
   void launch(Bucket& b);
+  void launch_from(size_t offset);
   Comm& comm_;
   float* grads_;
   ReduceDType dtype_;
   __nv_bfloat16* staging_;
   cudaStream_t compute_;
+  bool overlap_;
   std::vector<Bucket> buckets_;  // from the end of the buffer to its start
   bool timing_ = false;
   double busy_ms_ = 0;

@@ -172,7 +172,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     if (staging) CUDA_CHECK(cudaMalloc(&reduce_staging_, staging * sizeof(__nv_bfloat16)));
     const size_t bucket_floats = std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float));
     sync_ = std::make_unique<GradSync>(*ctx_.comm, model_->grads(), model_->layout().total(), bucket_floats,
-                                       reduce_dtype, reduce_staging_, stream_);
+                                       reduce_dtype, reduce_staging_, stream_, opts_.comm_overlap);
     if (opts_.timing) sync_->enable_timing();
     Comm* comm = ctx_.comm;
     model_->set_amax_reducer([comm](float* data, int n, cudaStream_t s) { comm->all_reduce(data, n, ncclFloat32, ncclMax, s, s); });
@@ -300,9 +300,9 @@ void Trainer::print_summary() const {
     std::printf("  data        synthetic: N(0, 1) images, label = sample index %% classes, made on the GPU\n");
   if (ctx_.comm)
     std::printf("  parallel    %d ranks (%s), global batch %d; gradients averaged in %s over NCCL, %d buckets of %d MB\n"
-                "              on a communication stream, overlapping the backward\n",
+                "              on a communication stream, %s\n",
                 ctx_.world, ctx_.layout.c_str(), ctx_.world * opts_.batch, opts_.reduce_dtype.c_str(), sync_->buckets(),
-                opts_.bucket_mb);
+                opts_.bucket_mb, opts_.comm_overlap ? "overlapping the backward" : "after the backward (--comm-overlap off)");
   std::printf("  training    batch %d%s, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",
               opts_.batch, ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, schedule_.describe().c_str(), opts_.momentum, opts_.weight_decay,
               opts_.nesterov ? " nesterov" : "", static_cast<unsigned long long>(opts_.seed));

@@ -97,8 +97,11 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(usage_error({"--label-smoothing", "1"}).find("--label-smoothing must be between") != std::string::npos);
   CHECK(usage_error({"--clip-grad", "0"}).find("--clip-grad must be between") != std::string::npos);
   CHECK(usage_error({"--reduce-dtype", "fp16"}).find("unknown --reduce-dtype 'fp16'") != std::string::npos);
+  CHECK(usage_error({"--comm-overlap", "maybe"}).find("unknown --comm-overlap 'maybe'") != std::string::npos);
   CHECK(usage_error({"--comm-ctas", "99"}).find("--comm-ctas must be between") != std::string::npos);
   CHECK(usage_error({"--keep", "0"}).find("--keep must be between") != std::string::npos);
+  CHECK(parse({}).comm_overlap);
+  CHECK(!parse({"--comm-overlap", "off"}).comm_overlap);
   const TrainOptions t = parse({"--gpus", "2", "--bucket-mb", "50", "--reduce-dtype", "bf16", "--clip-grad", "1.5",
                                 "--label-smoothing", "0.1", "--save", "ckpt", "--save-every", "100", "--keep", "5"});
   CHECK(t.gpus == 2);

@@ -241,6 +241,15 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
     CAPTURE(bf16_reduce.out);
     REQUIRE(bf16_reduce.code == 0);
     check_same_losses(losses(one.out), losses(bf16_reduce.out));
+    // The all-reduce after the backward instead of during it: the same sums, the same weights.
+    const Run after = shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --comm-overlap off");
+    CAPTURE(after.out);
+    REQUIRE(after.code == 0);
+    CHECK(losses(after.out) == losses(two.out));
+    CHECK(after.out.find("after the backward") != std::string::npos);
+    const std::string checksum = "weights: checksum ";
+    REQUIRE(after.out.find(checksum) != std::string::npos);
+    CHECK(after.out.substr(after.out.find(checksum), 34) == two.out.substr(two.out.find(checksum), 34));
   }
 }
 
