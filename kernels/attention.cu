@@ -44,12 +44,15 @@ constexpr int kDeltaGroup = 16;  // lanes per (token, head) row in the delta ker
 
 // ---------------------------------------------------------------------------------------------
 // Shared-memory geometry. A tile is kTile rows of hd bf16, each row padded by 8 elements
-// (16 bytes): the row stride is then an odd multiple of 16 bytes (hd is a multiple of 16), so the
+// (16 bytes): the row stride is then an odd multiple of 16 bytes (hd padded to 16), so the
 // eight 16-byte row segments one ldmatrix 8x8 matrix reads fall in distinct bank groups, and the
 // 4-byte accumulator stores of the epilogue are conflict-free too. A tile is 128 * (hd + 8) bytes,
 // a multiple of 128, so every tile starts 128-byte aligned.
 
-__host__ __device__ constexpr int row_stride(int hd) { return hd + 8; }  // elements
+// hd that is a multiple of 8 but not of 16 is padded to the next multiple of 16 in shared memory
+// (zero columns, which add nothing to any product) and in the fragments; global memory holds hd.
+__host__ __device__ constexpr int pad16(int hd) { return (hd + 15) / 16 * 16; }
+__host__ __device__ constexpr int row_stride(int hd) { return pad16(hd) + 8; }  // elements
 __host__ __device__ constexpr int tile_bytes(int hd) { return kTile * row_stride(hd) * 2; }
 
 // Forward and dQ: [Q | K0 | V0 | K1 | V1] (forward) or [Q | dO | K0 | V0 | K1 | V1] (dQ).
@@ -74,11 +77,12 @@ __host__ __device__ constexpr int dkdv_smem_bytes(int hd) {
 #ifndef ATT_SWEEP
 template <int HD>
 struct Tuning {
-  static constexpr int kFwdMinBlocks = HD <= 32 ? 4 : (HD <= 96 ? 3 : 2);
-  static constexpr int kDkdvSub = HD <= 112 ? 32 : 16;
-  static constexpr int kDkdvMinBlocks = HD <= 80 ? 3 : 2;
+  static constexpr int P = pad16(HD);
+  static constexpr int kFwdMinBlocks = P <= 32 ? 4 : (P <= 96 ? 3 : 2);
+  static constexpr int kDkdvSub = P <= 112 ? 32 : 16;
+  static constexpr int kDkdvMinBlocks = P <= 80 ? 3 : 2;
   static constexpr int kDqSub = 32;
-  static constexpr int kDqMinBlocks = HD <= 80 ? 3 : 2;
+  static constexpr int kDqMinBlocks = P <= 80 ? 3 : 2;
 };
 #else
 template <int HD>
@@ -224,21 +228,35 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4],
 // Block-wide staging and warp-wide write-back.
 
 // cp.async rows [row0, row0 + 64) of a [T, HD] slice (row stride src_ld elements) into the tile
-// at dst; rows at or past T are zero-filled. 64 * HD / 8 16-byte vectors over 128 threads: HD/16
-// each.
+// at dst; rows at or past T are zero-filled. 64 * HD / 8 16-byte vectors over 128 threads (HD/16
+// each when HD is a multiple of 16). The padding columns [HD, HP) are not written: they stay as
+// zero_padding_columns left them.
 template <int HD>
 __device__ __forceinline__ void load_tile_async(uint32_t dst, const bf16* src, size_t src_ld,
                                                 int row0, int T) {
   constexpr int kVecs = HD / 8;  // per row
+  constexpr int kTotal = kTile * kVecs;
 #pragma unroll
-  for (int i = 0; i < HD / 16; ++i) {
+  for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
     const int idx = i * kThreads + int(threadIdx.x);
-    const int r = idx / kVecs;
-    const int v = idx % kVecs;
-    const int row = row0 + r;
-    const bool valid = row < T;
-    const bf16* p = valid ? src + size_t(row) * src_ld + v * 8 : src;
-    cp_async_16(dst + at<HD + 8>(r, v * 8), p, valid);
+    if (kTotal % kThreads == 0 || idx < kTotal) {
+      const int r = idx / kVecs;
+      const int v = idx % kVecs;
+      const int row = row0 + r;
+      const bool valid = row < T;
+      const bf16* p = valid ? src + size_t(row) * src_ld + v * 8 : src;
+      cp_async_16(dst + at<pad16(HD) + 8>(r, v * 8), p, valid);
+    }
+  }
+}
+
+// Zeroes the padding columns [HD, HP) (one 16-byte vector a row) of `tiles` consecutive tiles
+// from smem, once, before the first barrier; nothing writes them again before the epilogue.
+template <int HD>
+__device__ __forceinline__ void zero_padding_columns(unsigned char* smem, int tiles) {
+  if constexpr (pad16(HD) != HD) {
+    for (int r = int(threadIdx.x); r < tiles * kTile; r += kThreads)
+      *reinterpret_cast<uint4*>(smem + at<pad16(HD) + 8>(r, HD)) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -246,28 +264,29 @@ __device__ __forceinline__ void load_tile_async(uint32_t dst, const bf16* src, s
 // bf16 into rows [0, 16) of its own staging rows in shared memory (stage: element (0, 0)), then
 // rows [0, valid_rows) copied out with 16-byte stores to dst (row stride dst_ld elements). The
 // staging rows must be read by no other warp.
-template <int HD>
-__device__ __forceinline__ void store_warp_tile(unsigned char* stage, const float (&acc)[HD / 8][4],
+template <int HD, int HP = pad16(HD)>
+__device__ __forceinline__ void store_warp_tile(unsigned char* stage, const float (&acc)[HP / 8][4],
                                                 float mult_lo, float mult_hi, bf16* dst,
                                                 size_t dst_ld, int valid_rows, int lane) {
-  constexpr int LD = HD + 8;
+  constexpr int LD = HP + 8;
   const int g = lane >> 2;
   const int t = lane & 3;
 #pragma unroll
-  for (int n = 0; n < HD / 8; ++n) {
+  for (int n = 0; n < HP / 8; ++n) {
     *reinterpret_cast<uint32_t*>(stage + at<LD>(g, n * 8 + 2 * t)) =
         pack_bf16x2(acc[n][0] * mult_lo, acc[n][1] * mult_lo);
     *reinterpret_cast<uint32_t*>(stage + at<LD>(g + 8, n * 8 + 2 * t)) =
         pack_bf16x2(acc[n][2] * mult_hi, acc[n][3] * mult_hi);
   }
   __syncwarp();
-  constexpr int kVecs = HD / 8;
+  constexpr int kVecs = HD / 8;  // the padding columns stay behind
+  constexpr int kTotal = 16 * kVecs;
 #pragma unroll
-  for (int i = 0; i < HD / 16; ++i) {  // 16 * kVecs vectors over 32 lanes
+  for (int i = 0; i < (kTotal + 31) / 32; ++i) {  // kTotal vectors over 32 lanes
     const int idx = i * 32 + lane;
     const int r = idx / kVecs;
     const int v = idx % kVecs;
-    if (r < valid_rows) {
+    if ((kTotal % 32 == 0 || idx < kTotal) && r < valid_rows) {
       const uint4 val = *reinterpret_cast<const uint4*>(stage + at<LD>(r, v * 8));
       __stwb(reinterpret_cast<uint4*>(dst + size_t(r) * dst_ld + v * 8), val);
     }
@@ -282,7 +301,8 @@ template <int HD>
 __global__ void __launch_bounds__(kThreads, Tuning<HD>::kFwdMinBlocks)
     attention_forward_kernel(const bf16* __restrict__ qkv, bf16* __restrict__ out,
                              float* __restrict__ lse, int T, int H, float scale) {
-  constexpr int LD = HD + 8;
+  constexpr int HP = pad16(HD);  // the fragments' head dim
+  constexpr int LD = HP + 8;
   constexpr int kTileBytes = tile_bytes(HD);
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t s_q = smem_addr(smem);
@@ -311,11 +331,12 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kFwdMinBlocks)
   load_tile_async<HD>(s_k(0), k_src, qkv_ld, 0, T);
   load_tile_async<HD>(s_v(0), v_src, qkv_ld, 0, T);
   cp_async_commit();
+  zero_padding_columns<HD>(smem, 5);
 
-  uint32_t qf[HD / 16][4];  // A fragments of the warp's 16 x HD query block
-  float o[HD / 8][4];       // O accumulator, n-tiles of 8 columns
+  uint32_t qf[HP / 16][4];  // A fragments of the warp's 16 x HD query block
+  float o[HP / 8][4];       // O accumulator, n-tiles of 8 columns
 #pragma unroll
-  for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  for (int n = 0; n < HP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m_lo = -INFINITY, m_hi = -INFINITY;  // rows g, g+8
   float l_lo = 0.0f, l_hi = 0.0f;
 
@@ -332,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kFwdMinBlocks)
 #pragma unroll
     for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
+    for (int kk = 0; kk < HP / 16; ++kk) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (kFull || j < groups) {
@@ -381,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kFwdMinBlocks)
     l_lo = fmaf(l_lo, corr_lo, sum_lo);
     l_hi = fmaf(l_hi, corr_hi, sum_hi);
 #pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
+    for (int n = 0; n < HP / 8; ++n) {
       o[n][0] *= corr_lo;
       o[n][1] *= corr_lo;
       o[n][2] *= corr_hi;
@@ -396,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kFwdMinBlocks)
         uint32_t pa[4];
         acc_to_a(pa, s[2 * j], s[2 * j + 1]);
 #pragma unroll
-        for (int nn = 0; nn < HD / 16; ++nn) {
+        for (int nn = 0; nn < HP / 16; ++nn) {
           uint32_t vb[4];
           ldmatrix_x4_trans(vb, s_v(buf) + at<LD>(j * 16, nn * 16) + off_a);
           mma_bf16(o[2 * nn], pa, vb[0], vb[1]);
@@ -421,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kFwdMinBlocks)
     if (live) {
       if (c == 0) {
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk)
+        for (int kk = 0; kk < HP / 16; ++kk)
           ldmatrix_x4(qf[kk], s_q + at<LD>(warp * 16, kk * 16) + off_a);
       }
       const int kv_valid = min(kTile, T - c * kTile);  // keys of this chunk that exist, >= 1
@@ -491,7 +512,8 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
     attention_dkdv_kernel(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
                           const float* __restrict__ lse, const float* __restrict__ delta,
                           bf16* __restrict__ dqkv, int T, int H, float scale) {
-  constexpr int LD = HD + 8;
+  constexpr int HP = pad16(HD);  // the fragments' head dim
+  constexpr int LD = HP + 8;
   constexpr int kTileBytes = tile_bytes(HD);
   constexpr int kSub = Tuning<HD>::kDkdvSub;  // queries per register block
   constexpr int kGroups = kSub / 16;
@@ -542,10 +564,11 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
   load_tile_async<HD>(s_v, q_src + 2 * D, qkv_ld, k0, T);
   load_chunk(0, 0);
   cp_async_commit();
+  zero_padding_columns<HD>(smem, 6);
 
-  float dk[HD / 8][4], dv[HD / 8][4];
+  float dk[HP / 8][4], dv[HP / 8][4];
 #pragma unroll
-  for (int n = 0; n < HD / 8; ++n)
+  for (int n = 0; n < HP / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
@@ -563,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
 #pragma unroll
     for (int n = 0; n < kN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
+    for (int kk = 0; kk < HP / 16; ++kk) {
       uint32_t ka[4];
       ldmatrix_x4(ka, s_k + at<LD>(warp * 16, kk * 16) + off_a);
 #pragma unroll
@@ -598,7 +621,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
         uint32_t pa[4];
         acc_to_a(pa, s[2 * j], s[2 * j + 1]);
 #pragma unroll
-        for (int nn = 0; nn < HD / 16; ++nn) {
+        for (int nn = 0; nn < HP / 16; ++nn) {
           uint32_t db[4];
           ldmatrix_x4_trans(db, s_do(buf) + at<LD>(c0 + j * 16, nn * 16) + off_a);
           mma_bf16(dv[2 * nn], pa, db[0], db[1]);
@@ -612,7 +635,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
 #pragma unroll
     for (int n = 0; n < kN; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
+    for (int kk = 0; kk < HP / 16; ++kk) {
       uint32_t va[4];
       ldmatrix_x4(va, s_v + at<LD>(warp * 16, kk * 16) + off_a);
 #pragma unroll
@@ -644,7 +667,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
         uint32_t dsa[4];
         acc_to_a(dsa, dp[2 * j], dp[2 * j + 1]);
 #pragma unroll
-        for (int nn = 0; nn < HD / 16; ++nn) {
+        for (int nn = 0; nn < HP / 16; ++nn) {
           uint32_t qb[4];
           ldmatrix_x4_trans(qb, s_q(buf) + at<LD>(c0 + j * 16, nn * 16) + off_a);
           mma_bf16(dk[2 * nn], dsa, qb[0], qb[1]);
@@ -698,7 +721,8 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
     attention_dq_kernel(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
                         const float* __restrict__ lse, const float* __restrict__ delta,
                         bf16* __restrict__ dqkv, int T, int H, float scale) {
-  constexpr int LD = HD + 8;
+  constexpr int HP = pad16(HD);  // the fragments' head dim
+  constexpr int LD = HP + 8;
   constexpr int kTileBytes = tile_bytes(HD);
   constexpr int kSub = Tuning<HD>::kDqSub;  // keys per register block
   constexpr int kGroups = kSub / 16;
@@ -734,6 +758,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
   load_tile_async<HD>(s_k(0), k_src, qkv_ld, 0, T);
   load_tile_async<HD>(s_v(0), v_src, qkv_ld, 0, T);
   cp_async_commit();
+  zero_padding_columns<HD>(smem, 6);
 
   // Rows g and g+8 of the warp: -lse * log2(e) and delta; padding rows get 0 for both (their Q
   // and dO are zero, so everything stays finite, and they are never written).
@@ -745,10 +770,10 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
   const float delta_lo = row_lo < T ? delta[bh + row_lo] : 0.0f;
   const float delta_hi = row_hi < T ? delta[bh + row_hi] : 0.0f;
 
-  uint32_t qf[HD / 16][4], dof[HD / 16][4];
-  float dq[HD / 8][4];
+  uint32_t qf[HP / 16][4], dof[HP / 16][4];
+  float dq[HP / 8][4];
 #pragma unroll
-  for (int n = 0; n < HD / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+  for (int n = 0; n < HP / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
 
   // One register block: keys [c0, c0 + kSub) of the chunk in buffer buf, sub_valid of them real
   // (may exceed kSub), groups of its 16-key groups holding any real key. kFull: the whole chunk is
@@ -765,7 +790,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
+    for (int kk = 0; kk < HP / 16; ++kk) {
 #pragma unroll
       for (int j = 0; j < kGroups; ++j) {
         if (kFull || j < groups) {
@@ -777,7 +802,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
       }
     }
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
+    for (int kk = 0; kk < HP / 16; ++kk) {
 #pragma unroll
       for (int j = 0; j < kGroups; ++j) {
         if (kFull || j < groups) {
@@ -815,7 +840,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
         uint32_t dsa[4];
         acc_to_a(dsa, dp[2 * j], dp[2 * j + 1]);
 #pragma unroll
-        for (int nn = 0; nn < HD / 16; ++nn) {
+        for (int nn = 0; nn < HP / 16; ++nn) {
           uint32_t kb[4];
           ldmatrix_x4_trans(kb, s_k(buf) + at<LD>(c0 + j * 16, nn * 16) + off_a);
           mma_bf16(dq[2 * nn], dsa, kb[0], kb[1]);
@@ -840,7 +865,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
     if (live) {
       if (c == 0) {
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
+        for (int kk = 0; kk < HP / 16; ++kk) {
           ldmatrix_x4(qf[kk], s_q + at<LD>(warp * 16, kk * 16) + off_a);
           ldmatrix_x4(dof[kk], s_do + at<LD>(warp * 16, kk * 16) + off_a);
         }
@@ -913,13 +938,21 @@ void prepare_kernel(int dev, int smem_bytes) {
 template <typename F>
 void dispatch_hd(int hd, F&& f) {
   switch (hd) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
     case 16: f(std::integral_constant<int, 16>{}); break;
+    case 24: f(std::integral_constant<int, 24>{}); break;
     case 32: f(std::integral_constant<int, 32>{}); break;
+    case 40: f(std::integral_constant<int, 40>{}); break;
     case 48: f(std::integral_constant<int, 48>{}); break;
+    case 56: f(std::integral_constant<int, 56>{}); break;
     case 64: f(std::integral_constant<int, 64>{}); break;
+    case 72: f(std::integral_constant<int, 72>{}); break;
     case 80: f(std::integral_constant<int, 80>{}); break;
+    case 88: f(std::integral_constant<int, 88>{}); break;
     case 96: f(std::integral_constant<int, 96>{}); break;
+    case 104: f(std::integral_constant<int, 104>{}); break;
     case 112: f(std::integral_constant<int, 112>{}); break;
+    case 120: f(std::integral_constant<int, 120>{}); break;
     case 128: f(std::integral_constant<int, 128>{}); break;
     default: ENSURE(false, "attention: unsupported head dim " + std::to_string(hd));
   }
@@ -940,9 +973,9 @@ int require_shape(const char* who, int B, int T, int H, int hd) {
 }  // namespace
 
 std::string attention_unsupported_reason(int T, int hd) {
-  if (hd < 16 || hd > 128 || hd % 16 != 0)
+  if (hd < 8 || hd > 128 || hd % 8 != 0)
     return "attention head dim " + std::to_string(hd) +
-           " unsupported (needs a multiple of 16 in [16, 128])";
+           " unsupported (needs a multiple of 8 in [8, 128])";
   if (T < 1 || T > kMaxT)
     return "attention sequence length " + std::to_string(T) + " unsupported (needs 1 <= T <= " +
            std::to_string(kMaxT) + ")";

@@ -6,7 +6,8 @@
 // Layouts (row-major): qkv [B*T, 3*D] with columns [0, D) Q, [D, 2D) K, [2D, 3D) V, head h at
 // columns h*hd .. h*hd+hd-1 within each; D = H*hd. out/dout [B*T, D], heads joined the same way.
 // lse/delta [B, H, T] fp32. Every bf16 pointer must be 16-byte aligned (cudaMalloc's are).
-// hd must be a multiple of 16 in [16, 128].
+// hd must be a multiple of 8 in [8, 128] (one that is not a multiple of 16 runs padded to the next
+// one, e.g. ViT-g/14's 88 as 96).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -56,9 +56,9 @@ void ViTConfig::validate() const {
          "for the bf16 GEMMs); got dim " + std::to_string(dim) + ", hidden " +
          std::to_string(hidden()) + ", patch dim " + std::to_string(patch_dim()));
   if (dim > 1536) fail("dim " + std::to_string(dim) + " is above 1536, the LayerNorm kernels' limit");
-  if (head_dim() % 16 != 0 || head_dim() > 128)
-    fail("head dim (dim/heads) must be a multiple of 16 and at most 128 for the attention "
-         "kernel; got " + std::to_string(head_dim()));
+  if (head_dim() % 8 != 0 || head_dim() > 128)
+    fail("head dim (dim/heads) must be a multiple of 8 and at most 128 for the attention "
+         "kernels; got " + std::to_string(head_dim()));
 }
 
 void ViTConfig::validate_batch(int batch) const {

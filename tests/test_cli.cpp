@@ -60,6 +60,7 @@ TEST_CASE("cli: presets and overrides, in any order, with --flag=value too") {
   CHECK(o.model.dim == 192);
   CHECK(o.model.heads == 3);
   CHECK(parse({"--steps", "3"}).warmup == 2);  // warm-up shrinks to leave a timed step
+  CHECK(parse({"--dim", "1408", "--heads", "16"}).model.head_dim() == 88);  // ViT-g/14's heads
 }
 
 TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
@@ -83,6 +84,7 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(usage_error({"--profile-steps", "5:2"}).find("comes before") != std::string::npos);
   CHECK(usage_error({"--profile-steps", "1:99", "--steps", "10"}).find("past the last step") != std::string::npos);
   CHECK(usage_error({"--dim", "1288", "--heads", "8"}).find("head dim") != std::string::npos);
+  CHECK(usage_error({"--dim", "1296", "--heads", "8"}).find("head dim") != std::string::npos);  // 162: not a multiple of 8
   CHECK(usage_error({"--dim", "2048", "--heads", "16"}).find("above 1536") != std::string::npos);
   CHECK(usage_error({"--batch", "70000", "--img", "32"}).find("65535 images") != std::string::npos);
   CHECK(usage_error({"--batch", "12000"}).find("token rows") != std::string::npos);
