@@ -3,7 +3,17 @@
 #include "engine/check.h"
 
 Arena::~Arena() {
-  if (base_) cudaFree(base_);  // no throw from a destructor; a failure here changes nothing
+  if (!base_) return;  // no throw from a destructor; a failure here changes nothing
+  if (release_)
+    release_(base_);
+  else
+    cudaFree(base_);
+}
+
+void Arena::set_allocator(Alloc alloc, Release release) {
+  ENSURE(base_ == nullptr && alloc && release, "Arena " + name_ + ": allocator set after commit");
+  alloc_ = alloc;
+  release_ = release;
 }
 
 void Arena::add_bytes(void** slot, size_t bytes) {
@@ -15,6 +25,11 @@ void Arena::add_bytes(void** slot, size_t bytes) {
 void Arena::commit() {
   ENSURE(base_ == nullptr, "Arena " + name_ + ": committed twice");
   if (bytes_ == 0) return;
+  if (alloc_) {
+    base_ = alloc_(bytes_);  // throws on failure
+    for (const Slot& s : slots_) *s.where = static_cast<char*>(base_) + s.offset;
+    return;
+  }
   const cudaError_t e = cudaMalloc(&base_, bytes_);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free allocation error

@@ -20,6 +20,11 @@ class Arena {
     add_bytes(reinterpret_cast<void**>(slot), count * sizeof(T));
   }
   void add_bytes(void** slot, size_t bytes);
+  // Another allocator than cudaMalloc/cudaFree for this arena (e.g. NCCL's, for memory that
+  // NCCL registers); set before commit().
+  using Alloc = void* (*)(size_t bytes);
+  using Release = void (*)(void* p);
+  void set_allocator(Alloc alloc, Release release);
   void commit();  // one allocation for everything added; fills every slot
 
   const std::string& name() const { return name_; }
@@ -31,4 +36,6 @@ class Arena {
   std::vector<Slot> slots_;
   size_t bytes_ = 0;
   void* base_ = nullptr;
+  Alloc alloc_ = nullptr;
+  Release release_ = nullptr;
 };

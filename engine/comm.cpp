@@ -78,6 +78,25 @@ void Comm::all_reduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t
   order(stream_, before);
 }
 
+ncclWindow_t Comm::register_window(void* buffer, size_t bytes, std::string* why) {
+  std::lock_guard<std::timed_mutex> lock(mutex_);
+  check();
+  ncclWindow_t window = nullptr;
+  const ncclResult_t r = ncclCommWindowRegister(comm_, buffer, bytes, &window, NCCL_WIN_COLL_SYMMETRIC);
+  if (r != ncclSuccess) {
+    const char* last = ncclGetLastError(comm_);
+    *why = std::string(ncclGetErrorString(r)) + (last && *last ? std::string(": ") + last : std::string());
+    return nullptr;
+  }
+  return window;
+}
+
+void Comm::deregister_window(ncclWindow_t window) {
+  if (!window || aborted_) return;
+  std::lock_guard<std::timed_mutex> lock(mutex_);
+  ncclCommWindowDeregister(comm_, window);  // from a destructor: a failure here changes nothing
+}
+
 void Comm::all_gather(const void* send, void* recv, size_t count, ncclDataType_t type) {
   std::lock_guard<std::timed_mutex> lock(mutex_);
   check();
@@ -85,9 +104,13 @@ void Comm::all_gather(const void* send, void* recv, size_t count, ncclDataType_t
 }
 
 GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype,
-                   __nv_bfloat16* staging, cudaStream_t compute, bool overlap)
+                   __nv_bfloat16* staging, cudaStream_t compute, bool overlap, bool window)
     : comm_(comm), grads_(grads), dtype_(dtype), staging_(staging), compute_(compute), overlap_(overlap) {
   ENSURE(bucket_floats > 0 && (dtype == ReduceDType::F32 || staging), "GradSync: empty buckets or no staging");
+  if (window) {
+    window_ = dtype == ReduceDType::F32 ? comm.register_window(grads, count * sizeof(float), &window_failure_)
+                                         : comm.register_window(staging, count * sizeof(__nv_bfloat16), &window_failure_);
+  }
   for (size_t end = count; end > 0;) {
     const size_t begin = end > bucket_floats ? end - bucket_floats : 0;
     buckets_.push_back({begin, end});
@@ -96,6 +119,7 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
 }
 
 GradSync::~GradSync() {
+  comm_.deregister_window(window_);
   for (Bucket& b : buckets_) {
     if (b.start) cudaEventDestroy(b.start);
     if (b.stop) cudaEventDestroy(b.stop);
@@ -129,10 +153,10 @@ void GradSync::launch(Bucket& b) {
   const size_t n = b.end - b.begin;
   if (timing_) CUDA_CHECK(cudaEventRecord(b.start, comm_.stream()));
   if (dtype_ == ReduceDType::F32) {
-    comm_.all_reduce(grads_ + b.begin, n, ncclFloat32, ncclAvg);
-  } else {  // half the bytes on the wire; the average rounds to bf16 once
+    comm_.all_reduce(grads_ + b.begin, n, ncclFloat32, ncclSum);
+  } else {  // half the bytes on the wire; the sum rounds to bf16 once
     cast_to_bf16(grads_ + b.begin, staging_ + b.begin, n, comm_.stream());
-    comm_.all_reduce(staging_ + b.begin, n, ncclBfloat16, ncclAvg);
+    comm_.all_reduce(staging_ + b.begin, n, ncclBfloat16, ncclSum);
     cast_to_f32(staging_ + b.begin, grads_ + b.begin, n, comm_.stream());
   }
   if (timing_) CUDA_CHECK(cudaEventRecord(b.stop, comm_.stream()));

@@ -39,6 +39,12 @@ class Comm {
   // The same without stream ordering: on the communication stream, in its order.
   void all_reduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op);
   void all_gather(const void* send, void* recv, size_t count, ncclDataType_t type);
+  // Registers [buffer, buffer + bytes), which ncclMemAlloc returned, as a symmetric window
+  // (NCCL_WIN_COLL_SYMMETRIC): collectives on it at the same offset on every rank may then run
+  // NCCL's symmetric kernels, which read the peers' memory directly. Collective over the ranks.
+  // Null, with the reason in *why, where NCCL cannot.
+  ncclWindow_t register_window(void* buffer, size_t bytes, std::string* why);
+  void deregister_window(ncclWindow_t window);  // nothing after an abort
   // Makes `waiter` wait for everything queued on `signaller` so far.
   void order(cudaStream_t signaller, cudaStream_t waiter);
 
@@ -68,10 +74,14 @@ enum class ReduceDType { F32, BF16 };
 // the compute stream wait for all of it.
 class GradSync {
  public:
-  // overlap: ready_from() starts the buckets it completes at once, during the backward; without
-  // it every bucket starts in finish().
+  // Sums the ranks' gradients (the loss gradient is divided by the ranks already, so the sum is
+  // the average). overlap: ready_from() starts the buckets it completes at once, during the
+  // backward; without it every bucket starts in finish(). window: the buffer all-reduced (grads,
+  // or staging for bf16) came from ncclMemAlloc and is registered as a symmetric window.
   GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype, __nv_bfloat16* staging,
-           cudaStream_t compute, bool overlap = true);
+           cudaStream_t compute, bool overlap = true, bool window = false);
+  // Empty if the window asked for is registered (or none was asked for), else why not.
+  const std::string& window_failure() const { return window_failure_; }
   static size_t staging_elements(size_t count, ReduceDType dtype) { return dtype == ReduceDType::BF16 ? count : 0; }
 
   void begin_step();
@@ -100,6 +110,8 @@ class GradSync {
   __nv_bfloat16* staging_;
   cudaStream_t compute_;
   bool overlap_;
+  ncclWindow_t window_ = nullptr;
+  std::string window_failure_;
   std::vector<Bucket> buckets_;  // from the end of the buffer to its start
   bool timing_ = false;
   double busy_ms_ = 0;

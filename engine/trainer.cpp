@@ -23,6 +23,16 @@
 #include "kernels/reduce.h"
 
 namespace {
+// Device memory from NCCL's allocator (what NCCL can register as a window).
+void* nccl_alloc(size_t bytes) {
+  void* p = nullptr;
+  NCCL_CHECK(ncclMemAlloc(&p, bytes));
+  return p;
+}
+void nccl_free(void* p) {
+  if (p) ncclMemFree(p);
+}
+
 constexpr size_t kGemmWorkspace = 32u << 20;  // what cuBLASLt asks for on Hopper
 constexpr int kMaxSkippedInARow = 10;            // FP8 numerics guard: then the run stops
 constexpr uint64_t kDataStream = 1ull << 40;  // random streams of the data, apart from the weights'
@@ -157,6 +167,11 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   }
 
   model_ = std::make_unique<ViT>(cfg, opts_.batch, arenas_, precision, fp8);
+  // Experimental (BENCHMARKS.md, 19): VIT_TRAIN_NCCL_WINDOW=1 allocates the buffer the gradients
+  // are all-reduced in with ncclMemAlloc and registers it as a symmetric window.
+  const char* window_env = std::getenv("VIT_TRAIN_NCCL_WINDOW");
+  const bool window = ctx_.comm && window_env && std::string(window_env) == "1";
+  if (window && reduce_dtype == ReduceDType::F32) arenas_.grads.set_allocator(nccl_alloc, nccl_free);
   arenas_.commit();
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
   timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth);  // ~16 scopes a block, ~31 in fp8
@@ -169,10 +184,19 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   model_->set_label_smoothing(static_cast<float>(opts_.label_smoothing));
   CUDA_CHECK(cudaMalloc(&checksums_, ctx_.world * sizeof(unsigned long long)));
   if (ctx_.comm) {
-    if (staging) CUDA_CHECK(cudaMalloc(&reduce_staging_, staging * sizeof(__nv_bfloat16)));
+    if (staging && window) {
+      reduce_staging_ = static_cast<__nv_bfloat16*>(nccl_alloc(staging * sizeof(__nv_bfloat16)));
+      staging_from_nccl_ = true;
+    } else if (staging) {
+      CUDA_CHECK(cudaMalloc(&reduce_staging_, staging * sizeof(__nv_bfloat16)));
+    }
+    model_->set_gradient_ranks(ctx_.world);
     const size_t bucket_floats = std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float));
     sync_ = std::make_unique<GradSync>(*ctx_.comm, model_->grads(), model_->layout().total(), bucket_floats,
-                                       reduce_dtype, reduce_staging_, stream_, opts_.comm_overlap);
+                                       reduce_dtype, reduce_staging_, stream_, opts_.comm_overlap, window);
+    if (!sync_->window_failure().empty() && ctx_.rank == 0)
+      std::printf("note: NCCL could not register the gradient buffer as a window (%s); all-reducing without\n",
+                  sync_->window_failure().c_str());
     if (opts_.timing) sync_->enable_timing();
     Comm* comm = ctx_.comm;
     model_->set_amax_reducer([comm](float* data, int n, cudaStream_t s) { comm->all_reduce(data, n, ncclFloat32, ncclMax, s, s); });
@@ -268,7 +292,10 @@ Trainer::~Trainer() {
   cudaFree(grad_norm_);
   cudaFree(norm_partial_);
   cudaFree(checksums_);
-  cudaFree(reduce_staging_);
+  if (staging_from_nccl_)
+    nccl_free(reduce_staging_);
+  else
+    cudaFree(reduce_staging_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 

@@ -18,8 +18,8 @@ __device__ float block_reduce(float v, bool is_max) {
 }
 
 // One block per row.
-__global__ void softmax_xent_kernel(const float* __restrict__ logits, const int* __restrict__ labels, int B,
-                                    int C, int ld, float smoothing, float* __restrict__ row_loss,
+__global__ void softmax_xent_kernel(const float* __restrict__ logits, const int* __restrict__ labels, int C,
+                                    int ld, float smoothing, float grad_divisor, float* __restrict__ row_loss,
                                     bf16* __restrict__ dlogits) {
   const float* z = logits + static_cast<size_t>(blockIdx.x) * ld;
   float m = -INFINITY;
@@ -40,7 +40,7 @@ __global__ void softmax_xent_kernel(const float* __restrict__ logits, const int*
   bf16* dz = dlogits + static_cast<size_t>(blockIdx.x) * ld;
   for (int c = threadIdx.x; c < ld; c += kThreads) {
     const float p = c < C ? __expf(z[c] - m - log_s) : 0.0f;
-    dz[c] = __float2bfloat16_rn(c < C ? (p - (c == label ? on : off)) / B : 0.0f);
+    dz[c] = __float2bfloat16_rn(c < C ? (p - (c == label ? on : off)) / grad_divisor : 0.0f);
   }
   if (threadIdx.x == 0) row_loss[blockIdx.x] = (1.0f - smoothing) * (lse - z[label]) + smoothing * (lse - zsum / C);
 }
@@ -54,10 +54,12 @@ __global__ void mean_kernel(const float* __restrict__ v, int n, float* __restric
 }  // namespace
 
 void softmax_xent(const float* logits, const int* labels, int B, int C, int ld, float* row_loss, float* loss,
-                  bf16* dlogits, cudaStream_t stream, float smoothing) {
+                  bf16* dlogits, cudaStream_t stream, float smoothing, int ranks) {
   NvtxRange range("softmax_xent");
-  ENSURE(B > 0 && C > 0 && ld >= C && smoothing >= 0 && smoothing < 1, "softmax_xent: bad shape or smoothing");
-  softmax_xent_kernel<<<B, kThreads, 0, stream>>>(logits, labels, B, C, ld, smoothing, row_loss, dlogits);
+  ENSURE(B > 0 && C > 0 && ld >= C && smoothing >= 0 && smoothing < 1 && ranks >= 1,
+         "softmax_xent: bad shape, smoothing or ranks");
+  const float grad_divisor = static_cast<float>(static_cast<double>(B) * ranks);
+  softmax_xent_kernel<<<B, kThreads, 0, stream>>>(logits, labels, C, ld, smoothing, grad_divisor, row_loss, dlogits);
   LAUNCH_CHECK();
   mean_kernel<<<1, kThreads, 0, stream>>>(row_loss, B, loss);
   LAUNCH_CHECK();

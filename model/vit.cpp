@@ -340,7 +340,8 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
       gemm.linear_forward(lnf_, pb(layout_.head_w), p(layout_.head_b), nullptr, logits_, DType::F32, B_,
                           cfg_.classes, D, st, classes_ld_); }
     { auto t = timer.op(OpKind::Loss, st);
-      softmax_xent(logits_, labels_, B_, cfg_.classes, classes_ld_, row_loss_, loss_, dlogits_, st, label_smoothing_); }
+      softmax_xent(logits_, labels_, B_, cfg_.classes, classes_ld_, row_loss_, loss_, dlogits_, st, label_smoothing_,
+                   gradient_ranks_); }
   }
 }
 

@@ -95,6 +95,9 @@ class ViT {
   void set_amax_reducer(std::function<void(float*, int, cudaStream_t)> reduce) { amax_reduce_ = std::move(reduce); }
   // The loss's label smoothing (PyTorch's CrossEntropyLoss(label_smoothing=...)).
   void set_label_smoothing(float s) { label_smoothing_ = s; }
+  // Data-parallel ranks whose gradients are summed: the loss gradient is divided by them too, so
+  // the sum is the global batch's mean gradient.
+  void set_gradient_ranks(int ranks) { gradient_ranks_ = ranks; }
   // Off for evaluation: FP8 casts use the training scales and record no amax.
   void set_fp8_recording(bool on) { fp8_recording_ = on; }
   // --fp8-stats: while on, the FP8 producers count the values that underflow to zero and that
@@ -180,6 +183,7 @@ class ViT {
   float* fp8_amax_scratch_ = nullptr;
   bool fp8_recording_ = true, fp8_counting_ = false;
   float label_smoothing_ = 0.0f;
+  int gradient_ranks_ = 1;
   unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting
   std::function<void(float*, int, cudaStream_t)> amax_reduce_;
   float* fp8_amax_reduce_ = nullptr;  // the step's amaxes and a bad-step flag, gathered for the reduce
