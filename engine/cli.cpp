@@ -45,6 +45,8 @@ std::string usage() {
              "  --bucket-mb N          gradient all-reduce bucket size in MB (default 25)\n"
              "  --reduce-dtype D       fp32 (default) or bf16: the dtype the gradients are averaged in\n"
              "  --comm-overlap on|off  on (default): each bucket is all-reduced during the backward; off: after it\n"
+             "  --nccl-window on|off   on (default): the gradients are all-reduced in NCCL-allocated memory registered\n"
+             "                         as a symmetric window (NCCL's symmetric kernels); off: in plain device memory\n"
              "  --comm-timeout S       a data-parallel run stops if no step finishes for S seconds (default 300)\n"             "  --comm-ctas N          NCCL uses at most N thread blocks (SMs), leaving the rest to the backward\n"
              "                         it overlaps (default 0: NCCL's choice)\n"
              "  --precision P          bf16 (default) or fp8 (the blocks' Linear layers in FP8, all three GEMMs)\n"
@@ -117,6 +119,10 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--comm-overlap", [&](const std::string& f, const std::string& v) {
          if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");
          o.comm_overlap = v == "on";
+       }},
+      {"--nccl-window", [&](const std::string& f, const std::string& v) {
+         if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");
+         o.nccl_window = v == "on";
        }},
       {"--comm-timeout", [&](const std::string& f, const std::string& v) { o.comm_timeout = parse_int(f, v, 5, 1 << 20); }},
       {"--comm-ctas", [&](const std::string& f, const std::string& v) { o.comm_ctas = parse_int(f, v, 0, 64); }},

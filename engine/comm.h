@@ -82,6 +82,7 @@ class GradSync {
            cudaStream_t compute, bool overlap = true, bool window = false);
   // Empty if the window asked for is registered (or none was asked for), else why not.
   const std::string& window_failure() const { return window_failure_; }
+  bool windowed() const { return window_ != nullptr; }
   static size_t staging_elements(size_t count, ReduceDType dtype) { return dtype == ReduceDType::BF16 ? count : 0; }
 
   void begin_step();

@@ -26,7 +26,10 @@ namespace {
 // Device memory from NCCL's allocator (what NCCL can register as a window).
 void* nccl_alloc(size_t bytes) {
   void* p = nullptr;
-  NCCL_CHECK(ncclMemAlloc(&p, bytes));
+  const ncclResult_t r = ncclMemAlloc(&p, bytes);
+  if (r != ncclSuccess)
+    throw RuntimeError("NCCL could not allocate " + std::to_string(bytes >> 20) + " MiB for the gradient window (" +
+                       ncclGetErrorString(r) + "); run with --nccl-window off");
   return p;
 }
 void nccl_free(void* p) {
@@ -167,10 +170,10 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   }
 
   model_ = std::make_unique<ViT>(cfg, opts_.batch, arenas_, precision, fp8);
-  // Experimental (BENCHMARKS.md, 19): VIT_TRAIN_NCCL_WINDOW=1 allocates the buffer the gradients
-  // are all-reduced in with ncclMemAlloc and registers it as a symmetric window.
-  const char* window_env = std::getenv("VIT_TRAIN_NCCL_WINDOW");
-  const bool window = ctx_.comm && window_env && std::string(window_env) == "1";
+  // --nccl-window: the buffer the gradients are all-reduced in comes from ncclMemAlloc and is
+  // registered as a symmetric window, so that NCCL can run its symmetric kernels on it, which
+  // slow the overlapped backward less (BENCHMARKS.md, 19).
+  const bool window = ctx_.comm && opts_.nccl_window;
   if (window && reduce_dtype == ReduceDType::F32) arenas_.grads.set_allocator(nccl_alloc, nccl_free);
   arenas_.commit();
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
@@ -327,9 +330,10 @@ void Trainer::print_summary() const {
     std::printf("  data        synthetic: N(0, 1) images, label = sample index %% classes, made on the GPU\n");
   if (ctx_.comm)
     std::printf("  parallel    %d ranks (%s), global batch %d; gradients averaged in %s over NCCL, %d buckets of %d MB\n"
-                "              on a communication stream, %s\n",
+                "              on a communication stream, %s%s\n",
                 ctx_.world, ctx_.layout.c_str(), ctx_.world * opts_.batch, opts_.reduce_dtype.c_str(), sync_->buckets(),
-                opts_.bucket_mb, opts_.comm_overlap ? "overlapping the backward" : "after the backward (--comm-overlap off)");
+                opts_.bucket_mb, opts_.comm_overlap ? "overlapping the backward" : "after the backward (--comm-overlap off)",
+                sync_->windowed() ? ", in a registered NCCL window" : "");
   std::printf("  training    batch %d%s, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",
               opts_.batch, ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, schedule_.describe().c_str(), opts_.momentum, opts_.weight_decay,
               opts_.nesterov ? " nesterov" : "", static_cast<unsigned long long>(opts_.seed));

@@ -81,7 +81,7 @@ class Trainer {
   std::FILE* log_ = nullptr;  // --log, rank 0
   std::unique_ptr<GradSync> sync_;
   __nv_bfloat16* reduce_staging_ = nullptr;
-  bool staging_from_nccl_ = false;  // ncclMemAlloc'd (VIT_TRAIN_NCCL_WINDOW)
+  bool staging_from_nccl_ = false;  // ncclMemAlloc'd (--nccl-window)
   float* scalar_ = nullptr;                   // device scratch for reduced scalars
   unsigned long long* checksums_ = nullptr;   // device: [world]
   cudaDeviceProp props_{};
