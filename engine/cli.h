@@ -13,7 +13,7 @@ struct TrainOptions {
   int bucket_mb = 25;  // gradient all-reduce bucket size
   std::string reduce_dtype = "fp32";  // or "bf16"
   bool comm_overlap = true;  // all-reduce each bucket during the backward (false: after it)
-  bool nccl_window = true;  // the all-reduced buffer from ncclMemAlloc, registered as a symmetric window
+  bool nccl_window = false;  // the all-reduced buffer from ncclMemAlloc, registered as a symmetric window
   int comm_timeout = 300;  // seconds without a finished step before a data-parallel run gives up
   int comm_ctas = 0;  // NCCL's thread blocks at most (0: NCCL's choice)
   std::string precision = "bf16";  // or "fp8"

@@ -170,9 +170,9 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   }
 
   model_ = std::make_unique<ViT>(cfg, opts_.batch, arenas_, precision, fp8);
-  // --nccl-window: the buffer the gradients are all-reduced in comes from ncclMemAlloc and is
-  // registered as a symmetric window, so that NCCL can run its symmetric kernels on it, which
-  // slow the overlapped backward less (BENCHMARKS.md, 19).
+  // --nccl-window (experimental): the buffer the gradients are all-reduced in comes from
+  // ncclMemAlloc and is registered as a symmetric window, so that NCCL can run its symmetric
+  // kernels on it, which slow the overlapped backward less (BENCHMARKS.md, 19).
   const bool window = ctx_.comm && opts_.nccl_window;
   if (window && reduce_dtype == ReduceDType::F32) arenas_.grads.set_allocator(nccl_alloc, nccl_free);
   arenas_.commit();

@@ -104,8 +104,8 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(usage_error({"--keep", "0"}).find("--keep must be between") != std::string::npos);
   CHECK(parse({}).comm_overlap);
   CHECK(!parse({"--comm-overlap", "off"}).comm_overlap);
-  CHECK(parse({}).nccl_window);
-  CHECK(!parse({"--nccl-window", "off"}).nccl_window);
+  CHECK(!parse({}).nccl_window);
+  CHECK(parse({"--nccl-window", "on"}).nccl_window);
   CHECK(usage_error({"--nccl-window", "yes"}).find("unknown --nccl-window 'yes'") != std::string::npos);
   const TrainOptions t = parse({"--gpus", "2", "--bucket-mb", "50", "--reduce-dtype", "bf16", "--clip-grad", "1.5",
                                 "--label-smoothing", "0.1", "--save", "ckpt", "--save-every", "100", "--keep", "5"});

@@ -250,15 +250,15 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
     const std::string checksum = "weights: checksum ";
     REQUIRE(after.out.find(checksum) != std::string::npos);
     CHECK(after.out.substr(after.out.find(checksum), 34) == two.out.substr(two.out.find(checksum), 34));
-    // Plain device memory instead of NCCL's registered window: the same sums again.
-    CHECK(two.out.find("in a registered NCCL window") != std::string::npos);
-    const Run plain_memory = shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --nccl-window off");
-    CAPTURE(plain_memory.out);
-    REQUIRE(plain_memory.code == 0);
-    CHECK(losses(plain_memory.out) == losses(two.out));
-    CHECK(plain_memory.out.find("in a registered NCCL window") == std::string::npos);
-    REQUIRE(plain_memory.out.find(checksum) != std::string::npos);
-    CHECK(plain_memory.out.substr(plain_memory.out.find(checksum), 34) == two.out.substr(two.out.find(checksum), 34));
+    // NCCL's registered window instead of plain device memory: the same sums again.
+    CHECK(two.out.find("in a registered NCCL window") == std::string::npos);
+    const Run windowed = shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --nccl-window on");
+    CAPTURE(windowed.out);
+    REQUIRE(windowed.code == 0);
+    CHECK(losses(windowed.out) == losses(two.out));
+    CHECK(windowed.out.find("in a registered NCCL window") != std::string::npos);
+    REQUIRE(windowed.out.find(checksum) != std::string::npos);
+    CHECK(windowed.out.substr(windowed.out.find(checksum), 34) == two.out.substr(two.out.find(checksum), 34));
   }
 }
 
