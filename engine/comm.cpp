@@ -88,12 +88,14 @@ ncclWindow_t Comm::register_window(void* buffer, size_t bytes, std::string* why)
     *why = std::string(ncclGetErrorString(r)) + (last && *last ? std::string(": ") + last : std::string());
     return nullptr;
   }
+  if (!window) *why = "NCCL returned no window (registration disabled or unsupported here)";
   return window;
 }
 
 void Comm::deregister_window(ncclWindow_t window) {
-  if (!window || aborted_) return;
-  std::lock_guard<std::timed_mutex> lock(mutex_);
+  if (!window) return;
+  std::lock_guard<std::timed_mutex> lock(mutex_);  // abort() sets the flag under it
+  if (aborted_) return;
   ncclCommWindowDeregister(comm_, window);  // from a destructor: a failure here changes nothing
 }
 

@@ -79,7 +79,6 @@ class Trainer {
   int start_step_ = 0;        // --resume: the checkpoint's step
   std::string resumed_from_;
   std::FILE* log_ = nullptr;  // --log, rank 0
-  std::unique_ptr<GradSync> sync_;
   __nv_bfloat16* reduce_staging_ = nullptr;
   bool staging_from_nccl_ = false;  // ncclMemAlloc'd (--nccl-window)
   float* scalar_ = nullptr;                   // device scratch for reduced scalars
@@ -88,6 +87,9 @@ class Trainer {
   double peak_tflops_ = 0;
   ModelArenas arenas_;
   std::unique_ptr<ViT> model_;
+  // After arenas_: destroyed before them (its window must be deregistered before the memory under
+  // it is freed, also when the constructor throws).
+  std::unique_ptr<GradSync> sync_;
   std::unique_ptr<Gemm> gemm_;
   std::unique_ptr<OpTimer> timer_;
   cudaStream_t stream_ = nullptr;

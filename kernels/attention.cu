@@ -43,11 +43,11 @@ constexpr int kDeltaThreads = 256;
 constexpr int kDeltaGroup = 16;  // lanes per (token, head) row in the delta kernel
 
 // ---------------------------------------------------------------------------------------------
-// Shared-memory geometry. A tile is kTile rows of hd bf16, each row padded by 8 elements
+// Shared-memory geometry. A tile is kTile rows of pad16(hd) bf16, each row padded by 8 elements
 // (16 bytes): the row stride is then an odd multiple of 16 bytes (hd padded to 16), so the
 // eight 16-byte row segments one ldmatrix 8x8 matrix reads fall in distinct bank groups, and the
-// 4-byte accumulator stores of the epilogue are conflict-free too. A tile is 128 * (hd + 8) bytes,
-// a multiple of 128, so every tile starts 128-byte aligned.
+// 4-byte accumulator stores of the epilogue are conflict-free too. A tile is
+// 128 * (pad16(hd) + 8) bytes, a multiple of 128, so every tile starts 128-byte aligned.
 
 // hd that is a multiple of 8 but not of 16 is padded to the next multiple of 16 in shared memory
 // (zero columns, which add nothing to any product) and in the fragments; global memory holds hd.
@@ -67,13 +67,14 @@ __host__ __device__ constexpr int dkdv_smem_bytes(int hd) {
 // holds in registers at once (S and dP are 16 x kSub fp32 each). *MinBlocks: the blocks per SM
 // asked of __launch_bounds__, which caps registers at 65536 / (128 * blocks): 168 for 3, 255 for
 // 2. These kernels are latency-bound (Nsight Compute: tensor and shared-memory pipes ~30% busy),
-// so warps per SM count for more than the width of a register block: up to hd 80 the backward
-// runs 32-wide blocks at 168 registers, 3 blocks per SM, without spills (against 64-wide blocks
-// at 255 registers, 2 blocks: dKdV 163 -> 157 us, dQ 128 -> 120 us at (64, 16, 197, 80);
-// BENCHMARKS.md, 17). Above hd 80 shared memory allows 2 blocks only; at hd 128 dKdV's 16 x hd
-// dK + dV leave room for 16-wide blocks only. The forward at 128 registers (4 blocks) spills
-// and is slower. Building with -DATT_SWEEP and the ATT_* values below makes one variant of a
-// sweep (tools/attention_sweep.sh).
+// so warps per SM count for more than the width of a register block: up to hd 80 (padded) the
+// backward runs 32-wide blocks at 168 registers, 3 blocks per SM, without spills (against
+// 64-wide blocks at 255 registers, 2 blocks: dKdV 163 -> 157 us, dQ 128 -> 120 us at
+// (64, 16, 197, 80), and faster at hd 64 too; BENCHMARKS.md, 17). Above hd 80 shared memory
+// allows 2 blocks only; hd 96 (and 88, padded to it) runs 32-wide there too, tested but not
+// timed against its earlier 64-wide blocks; at hd 128 dKdV's 16 x hd dK + dV leave room for
+// 16-wide blocks only. The forward at 128 registers (4 blocks) spills and is slower. Building with -DATT_SWEEP and the ATT_* values below makes
+// one variant of a sweep (tools/attention_sweep.sh).
 #ifndef ATT_SWEEP
 template <int HD>
 struct Tuning {

@@ -208,12 +208,16 @@ TEST_CASE("gpu: FP8 whole-model gradients against the CPU reference, next to bf1
   CHECK(fp8.logits_err < 0.2);
   // E4M3 keeps 3 mantissa bits and E5M2 2: per-element errors of several percent, which average
   // down in each product. A mistake in a scale, a layout or a transposed copy gives cosines near 0.
-  // The deepest gradients (block 0's norm1 and qkv) vary most with the draw: cosine 0.941 and
-  // relative error 0.338 under rng_seed 524907269, 0.95-0.99 and 0.1-0.3 under most seeds.
+  // The deepest gradients (the embeddings and block 0 up to its attention, which every later
+  // block's FP8 rounding reaches) vary most with the draw: cosine 0.941 and relative error 0.338
+  // under rng_seed 524907269; 0.95-0.99 and 0.1-0.3 elsewhere.
   for (size_t i = 0; i < fp8.names.size(); ++i) {
     CAPTURE(fp8.names[i]);
-    CHECK(fp8.cosine[i] > 0.9);
-    CHECK(fp8.rel_err[i] < 0.5);
+    const std::string& n = fp8.names[i];
+    const bool deepest = n.rfind("blocks.0.norm1", 0) == 0 || n.rfind("blocks.0.attn.qkv", 0) == 0 ||
+                         n.rfind("patch_embed", 0) == 0 || n == "cls_token" || n == "pos_embed";
+    CHECK(fp8.cosine[i] > (deepest ? 0.9 : 0.95));
+    CHECK(fp8.rel_err[i] < (deepest ? 0.5 : 0.35));
   }
 }
 

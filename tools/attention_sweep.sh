@@ -4,7 +4,7 @@
 #
 #   tools/attention_sweep.sh build DIR SETTING...   SETTING = FWD_MINB,DKDV_SUB,DKDV_MINB,DQ_SUB,DQ_MINB
 #                                                   (e.g. 3,64,2,64,2); prints ptxas's registers
-#                                                   and spills for hd 80 per setting
+#                                                   and spills of every kernel per setting
 #   tools/attention_sweep.sh run DIR [B H T HD...]  runs every attention_rate_* of DIR
 #
 # A setting applies to every head dim of its build; make must have built the library first.
@@ -16,18 +16,24 @@ shift 2
 case $mode in
   build)
     mkdir -p "$dir"
+    cuda=${CUDA:-/usr/local/cuda}
     lib=$(make -p -n 2>/dev/null | sed -n 's/^LIB_OBJ := //p' | head -1 | sed 's#build/kernels/attention.o##')
+    [ -n "$lib" ] && [ -f build/tools/attention_rate.o ] || { echo "attention_sweep.sh: run make first" >&2; exit 1; }
     for setting in "$@"; do
       IFS=, read -r fwd dkdv_sub dkdv_minb dq_sub dq_minb <<<"$setting"
       name="attention_rate_${fwd}_${dkdv_sub}_${dkdv_minb}_${dq_sub}_${dq_minb}"
-      nvcc -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -I. -DATT_SWEEP \
+      "$cuda/bin/nvcc" -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -I. -DATT_SWEEP \
         -DATT_FWD_MINB="$fwd" -DATT_DKDV_SUB="$dkdv_sub" -DATT_DKDV_MINB="$dkdv_minb" -DATT_DQ_SUB="$dq_sub" \
-        -DATT_DQ_MINB="$dq_minb" -Xptxas -v -c kernels/attention.cu -o "$dir/$name.o" 2>&1 |
-        grep -A3 "Compiling entry.*Li80E" | grep -E "Used|spill" | sed "s/^/$name: /"
+        -DATT_DQ_MINB="$dq_minb" -Xptxas -v -c kernels/attention.cu -o "$dir/$name.o" > "$dir/$name.ptxas" 2>&1 ||
+        { cat "$dir/$name.ptxas" >&2; exit 1; }
+      # registers and spills per kernel and head dim
+      awk -v n="$name" '/Compiling entry/ { match($0, /attention_[a-z]+_kernelILi[0-9]+/); k = substr($0, RSTART, RLENGTH) }
+        /spill stores/ { s = $0 } /Used [0-9]+ registers/ && k != "" { print n ": " k ": " $5 " registers, " s; k = "" }' \
+        "$dir/$name.ptxas"
       # shellcheck disable=SC2086
-      nvcc -o "$dir/$name" "$dir/$name.o" $lib build/tools/attention_rate.o -gencode arch=compute_90a,code=sm_90a \
-        -L/usr/local/cuda/lib64 -lcublasLt -lnccl -lz -lpthread -Xlinker -rpath,/usr/local/cuda/lib64
-      rm "$dir/$name.o"
+      "$cuda/bin/nvcc" -o "$dir/$name" "$dir/$name.o" $lib build/tools/attention_rate.o -gencode arch=compute_90a,code=sm_90a \
+        -L"$cuda/lib64" -lcublasLt -lnccl -lz -lpthread -Xlinker -rpath,"$cuda/lib64"
+      rm "$dir/$name.o" "$dir/$name.ptxas"
     done ;;
   run)
     for exe in "$dir"/attention_rate_*; do
