@@ -212,6 +212,20 @@ TEST_CASE("gpu: softmax cross-entropy") {
   std::vector<double> dz_s_dense;
   for (int b = 0; b < B; ++b) dz_s_dense.insert(dz_s_dense.end(), dz_s_out.begin() + b * ld, dz_s_out.begin() + b * ld + C);
   CHECK(rel_error(dz_s_dense, dz_s) < kBf16OutTol);
+
+  // Two data-parallel ranks whose gradients are summed: each rank's gradient is half the
+  // one-rank gradient, exactly (a power of two), and the loss itself is unchanged.
+  dz.poison();
+  softmax_xent(dz_in.get(), dl.get(), B, C, ld, row_loss.get(), loss.get(), dz.get(), 0, static_cast<float>(e), 2);
+  CHECK(std::abs(loss.download()[0] - loss_s) / loss_s < 1e-5);
+  const auto dz_half = to_f64(dz.download());
+  for (size_t i = 0; i < dz_half.size(); ++i) {
+    if (dz_half[i] != 0.5 * dz_s_out[i]) {
+      CAPTURE(i);
+      CHECK(dz_half[i] == 0.5 * dz_s_out[i]);
+      break;
+    }
+  }
 }
 
 TEST_CASE("gpu: SGD with momentum, torch.optim.SGD semantics, two steps") {
