@@ -189,7 +189,6 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   if (ctx_.comm) {
     if (staging && window) {
       reduce_staging_ = static_cast<__nv_bfloat16*>(nccl_alloc(staging * sizeof(__nv_bfloat16)));
-      staging_from_nccl_ = true;
     } else if (staging) {
       CUDA_CHECK(cudaMalloc(&reduce_staging_, staging * sizeof(__nv_bfloat16)));
     }
@@ -295,7 +294,7 @@ Trainer::~Trainer() {
   cudaFree(grad_norm_);
   cudaFree(norm_partial_);
   cudaFree(checksums_);
-  if (staging_from_nccl_)
+  if (ctx_.comm && opts_.nccl_window)  // allocated as the constructor chose
     nccl_free(reduce_staging_);
   else
     cudaFree(reduce_staging_);

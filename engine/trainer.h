@@ -79,8 +79,7 @@ class Trainer {
   int start_step_ = 0;        // --resume: the checkpoint's step
   std::string resumed_from_;
   std::FILE* log_ = nullptr;  // --log, rank 0
-  __nv_bfloat16* reduce_staging_ = nullptr;
-  bool staging_from_nccl_ = false;  // ncclMemAlloc'd (--nccl-window)
+  __nv_bfloat16* reduce_staging_ = nullptr;  // ncclMemAlloc'd under --nccl-window, else cudaMalloc'd
   float* scalar_ = nullptr;                   // device scratch for reduced scalars
   unsigned long long* checksums_ = nullptr;   // device: [world]
   cudaDeviceProp props_{};

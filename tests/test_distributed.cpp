@@ -171,6 +171,19 @@ int gpu_count() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : (cudaGetLastError(), 0);
 }
+}  // namespace
+
+// The two-GPU tests' guard: skipped (not passed) on a machine with fewer.
+#define SKIP_WITHOUT_TWO_GPUS() \
+  do {                          \
+    SKIP_WITHOUT_GPU();         \
+    if (gpu_count() < 2) {      \
+      mark_skipped();           \
+      return;                   \
+    }                           \
+  } while (0)
+
+namespace {
 
 using Run = CommandResult;
 Run shell(const std::string& cmd) { return run_command(cmd); }
@@ -221,11 +234,7 @@ TEST_CASE("gpu: the data-parallel machinery on one rank trains exactly like the 
 }
 
 TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, with identical weights") {
-  SKIP_WITHOUT_GPU();
-  if (gpu_count() < 2) {
-    mark_skipped();
-    return;
-  }
+  SKIP_WITHOUT_TWO_GPUS();
   for (const char* precision : {"bf16", "fp8"}) {
     CAPTURE(precision);
     // fp8: token rows (17 a 32x32 image at patch 8) must be a multiple of 16 on each rank.
@@ -267,11 +276,7 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
 }
 
 TEST_CASE("gpu: two processes under a launcher's environment train like --gpus 2") {
-  SKIP_WITHOUT_GPU();
-  if (gpu_count() < 2) {
-    mark_skipped();
-    return;
-  }
+  SKIP_WITHOUT_TWO_GPUS();
   const std::string port = std::to_string(free_port());
   const std::string envs = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port;
   const Run threads = shell(kSmall + " --gpus 2 --batch 16");
@@ -287,11 +292,7 @@ TEST_CASE("gpu: two processes under a launcher's environment train like --gpus 2
 }
 
 TEST_CASE("gpu: a failing rank or a killed process stops the others with a message naming it, in bounded time") {
-  SKIP_WITHOUT_GPU();
-  if (gpu_count() < 2) {
-    mark_skipped();
-    return;
-  }
+  SKIP_WITHOUT_TWO_GPUS();
   const std::string long_run = "./vit_train --img 32 --patch 8 --channels 3 --classes 10 --dim 64 --depth 2 --heads 4 "
                                "--batch 16 --steps 100000 --log-every 10";
   // A worker thread fails at step 5: the run stops with exit 1 and names rank 1.
