@@ -225,6 +225,54 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4],
   a[3] = pack_bf16x2(hi[2], hi[3]);
 }
 
+// The two products every kernel is made of, over a chunk's 16-row groups j < groups (all
+// kGroups of them when kFull), B read from the padded tile b_tile(buf) (the chunk's buffer),
+// stored [row][hd], whose group j starts at row row0 + 16 j:
+// acc (16 x 16 kGroups) += A B^T, contracting over hd: A's fragment for k-step kk from
+// a_frag(kk, a) (registers, or an ldmatrix), B^T fragments through ldmatrix.
+template <int HP, int kGroups, bool kFull, typename AFrag, typename BTile>
+__device__ __forceinline__ void mma_rows_bt(float (&acc)[2 * kGroups][4], AFrag a_frag, BTile b_tile, int buf,
+                                            int row0, int groups, uint32_t off_bt) {
+  constexpr int LD = HP + 8;
+#pragma unroll
+  for (int kk = 0; kk < HP / 16; ++kk) {
+    uint32_t a[4];
+    a_frag(kk, a);
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      if (kFull || j < groups) {
+        uint32_t bf[4];
+        ldmatrix_x4(bf, b_tile(buf) + at<LD>(row0 + j * 16, kk * 16) + off_bt);
+        mma_bf16(acc[2 * j], a, bf[0], bf[1]);
+        mma_bf16(acc[2 * j + 1], a, bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// out (16 x HP) += P B, contracting over the chunk's rows: P's 16-column groups as A fragments
+// straight from the accumulators p, B (stored [k][n]) through ldmatrix .trans, two 8-column
+// n-tiles of out per load.
+template <int HP, int kGroups, bool kFull, typename BTile>
+__device__ __forceinline__ void mma_acc_b(float (&out)[HP / 8][4], const float (&p)[2 * kGroups][4], BTile b_tile,
+                                          int buf, int row0, int groups, uint32_t off_a) {
+  constexpr int LD = HP + 8;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    if (kFull || j < groups) {
+      uint32_t pa[4];
+      acc_to_a(pa, p[2 * j], p[2 * j + 1]);
+#pragma unroll
+      for (int nn = 0; nn < HP / 16; ++nn) {
+        uint32_t bf[4];
+        ldmatrix_x4_trans(bf, b_tile(buf) + at<LD>(row0 + j * 16, nn * 16) + off_a);
+        mma_bf16(out[2 * nn], pa, bf[0], bf[1]);
+        mma_bf16(out[2 * nn + 1], pa, bf[2], bf[3]);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Block-wide staging and warp-wide write-back.
 
@@ -353,18 +401,11 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kFwdMinBlocks)
     float s[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    const auto q_frag = [&](int kk, uint32_t(&a)[4]) {
 #pragma unroll
-    for (int kk = 0; kk < HP / 16; ++kk) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (kFull || j < groups) {
-          uint32_t kb[4];
-          ldmatrix_x4(kb, s_k(buf) + at<LD>(j * 16, kk * 16) + off_bt);
-          mma_bf16(s[2 * j], qf[kk], kb[0], kb[1]);
-          mma_bf16(s[2 * j + 1], qf[kk], kb[2], kb[3]);
-        }
-      }
-    }
+      for (int e = 0; e < 4; ++e) a[e] = qf[kk][e];
+    };
+    mma_rows_bt<HP, 4, kFull>(s, q_frag, s_k, buf, 0, groups, off_bt);
     if (!kFull) {  // keys at or past T (skipped groups included) get score -inf: probability 0
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
@@ -412,20 +453,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kFwdMinBlocks)
 
     // O += P V: P's 16-key groups as A fragments from the registers, V (stored [key][hd] =
     // B[k][n]) through ldmatrix .trans, two 8-column n-tiles of O per load.
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (kFull || j < groups) {
-        uint32_t pa[4];
-        acc_to_a(pa, s[2 * j], s[2 * j + 1]);
-#pragma unroll
-        for (int nn = 0; nn < HP / 16; ++nn) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, s_v(buf) + at<LD>(j * 16, nn * 16) + off_a);
-          mma_bf16(o[2 * nn], pa, vb[0], vb[1]);
-          mma_bf16(o[2 * nn + 1], pa, vb[2], vb[3]);
-        }
-      }
-    }
+    mma_acc_b<HP, 4, kFull>(o, s, s_v, buf, 0, groups, off_a);
   };
 
   for (int c = 0; c < n_chunks; ++c) {
@@ -586,20 +614,8 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
     float s[kN][4];
 #pragma unroll
     for (int n = 0; n < kN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < HP / 16; ++kk) {
-      uint32_t ka[4];
-      ldmatrix_x4(ka, s_k + at<LD>(warp * 16, kk * 16) + off_a);
-#pragma unroll
-      for (int j = 0; j < kGroups; ++j) {
-        if (kFull || j < groups) {
-          uint32_t qb[4];
-          ldmatrix_x4(qb, s_q(buf) + at<LD>(c0 + j * 16, kk * 16) + off_bt);
-          mma_bf16(s[2 * j], ka, qb[0], qb[1]);
-          mma_bf16(s[2 * j + 1], ka, qb[2], qb[3]);
-        }
-      }
-    }
+    const auto k_frag = [&](int kk, uint32_t(&a)[4]) { ldmatrix_x4(a, s_k + at<LD>(warp * 16, kk * 16) + off_a); };
+    mma_rows_bt<HP, kGroups, kFull>(s, k_frag, s_q, buf, c0, groups, off_bt);
 
     // P^T = exp(scale S^T - lse[query]); columns 2t, 2t+1 of n-tile n are queries
     // c0 + 8n + 2t, +1. Padding queries have lse = +inf, hence P^T = 0 (and skipped groups
@@ -616,39 +632,14 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
     }
 
     // dV += P^T dO: B from dO stored [query][hd] = B[k][n], through .trans.
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j) {
-      if (kFull || j < groups) {
-        uint32_t pa[4];
-        acc_to_a(pa, s[2 * j], s[2 * j + 1]);
-#pragma unroll
-        for (int nn = 0; nn < HP / 16; ++nn) {
-          uint32_t db[4];
-          ldmatrix_x4_trans(db, s_do(buf) + at<LD>(c0 + j * 16, nn * 16) + off_a);
-          mma_bf16(dv[2 * nn], pa, db[0], db[1]);
-          mma_bf16(dv[2 * nn + 1], pa, db[2], db[3]);
-        }
-      }
-    }
+    mma_acc_b<HP, kGroups, kFull>(dv, s, s_do, buf, c0, groups, off_a);
 
     // dP^T = V dO^T: A = V rows, B from dO stored [query][hd] = B^T.
     float dp[kN][4];
 #pragma unroll
     for (int n = 0; n < kN; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < HP / 16; ++kk) {
-      uint32_t va[4];
-      ldmatrix_x4(va, s_v + at<LD>(warp * 16, kk * 16) + off_a);
-#pragma unroll
-      for (int j = 0; j < kGroups; ++j) {
-        if (kFull || j < groups) {
-          uint32_t db[4];
-          ldmatrix_x4(db, s_do(buf) + at<LD>(c0 + j * 16, kk * 16) + off_bt);
-          mma_bf16(dp[2 * j], va, db[0], db[1]);
-          mma_bf16(dp[2 * j + 1], va, db[2], db[3]);
-        }
-      }
-    }
+    const auto v_frag = [&](int kk, uint32_t(&a)[4]) { ldmatrix_x4(a, s_v + at<LD>(warp * 16, kk * 16) + off_a); };
+    mma_rows_bt<HP, kGroups, kFull>(dp, v_frag, s_do, buf, c0, groups, off_bt);
 
     // dS^T = P^T * (dP^T - delta[query]), in place over dP^T. Zero wherever P^T is (dP^T is
     // finite: padding rows of V and dO are zero).
@@ -662,20 +653,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDkdvMinBlocks)
     }
 
     // dK += dS^T Q: B from Q stored [query][hd] = B[k][n], through .trans.
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j) {
-      if (kFull || j < groups) {
-        uint32_t dsa[4];
-        acc_to_a(dsa, dp[2 * j], dp[2 * j + 1]);
-#pragma unroll
-        for (int nn = 0; nn < HP / 16; ++nn) {
-          uint32_t qb[4];
-          ldmatrix_x4_trans(qb, s_q(buf) + at<LD>(c0 + j * 16, nn * 16) + off_a);
-          mma_bf16(dk[2 * nn], dsa, qb[0], qb[1]);
-          mma_bf16(dk[2 * nn + 1], dsa, qb[2], qb[3]);
-        }
-      }
-    }
+    mma_acc_b<HP, kGroups, kFull>(dk, dp, s_q, buf, c0, groups, off_a);
   };
 
   for (int c = 0; c < n_chunks; ++c) {
@@ -790,30 +768,16 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
     for (int n = 0; n < kN; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+    const auto q_frag = [&](int kk, uint32_t(&a)[4]) {
 #pragma unroll
-    for (int kk = 0; kk < HP / 16; ++kk) {
+      for (int e = 0; e < 4; ++e) a[e] = qf[kk][e];
+    };
+    const auto do_frag = [&](int kk, uint32_t(&a)[4]) {
 #pragma unroll
-      for (int j = 0; j < kGroups; ++j) {
-        if (kFull || j < groups) {
-          uint32_t kb[4];
-          ldmatrix_x4(kb, s_k(buf) + at<LD>(c0 + j * 16, kk * 16) + off_bt);
-          mma_bf16(s[2 * j], qf[kk], kb[0], kb[1]);
-          mma_bf16(s[2 * j + 1], qf[kk], kb[2], kb[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < HP / 16; ++kk) {
-#pragma unroll
-      for (int j = 0; j < kGroups; ++j) {
-        if (kFull || j < groups) {
-          uint32_t vb[4];
-          ldmatrix_x4(vb, s_v(buf) + at<LD>(c0 + j * 16, kk * 16) + off_bt);
-          mma_bf16(dp[2 * j], dof[kk], vb[0], vb[1]);
-          mma_bf16(dp[2 * j + 1], dof[kk], vb[2], vb[3]);
-        }
-      }
-    }
+      for (int e = 0; e < 4; ++e) a[e] = dof[kk][e];
+    };
+    mma_rows_bt<HP, kGroups, kFull>(s, q_frag, s_k, buf, c0, groups, off_bt);
+    mma_rows_bt<HP, kGroups, kFull>(dp, do_frag, s_v, buf, c0, groups, off_bt);
 
     // P = exp(scale S - lse[row]), 0 for keys at or past T (columns 2t, 2t+1 of n-tile n
     // are keys c0 + 8n + 2t, +1); dS = P * (dP - delta[row]), in place over dP.
@@ -835,20 +799,7 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
     }
 
     // dQ += dS K: B from K stored [key][hd] = B[k][n], through .trans.
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j) {
-      if (kFull || j < groups) {
-        uint32_t dsa[4];
-        acc_to_a(dsa, dp[2 * j], dp[2 * j + 1]);
-#pragma unroll
-        for (int nn = 0; nn < HP / 16; ++nn) {
-          uint32_t kb[4];
-          ldmatrix_x4_trans(kb, s_k(buf) + at<LD>(c0 + j * 16, nn * 16) + off_a);
-          mma_bf16(dq[2 * nn], dsa, kb[0], kb[1]);
-          mma_bf16(dq[2 * nn + 1], dsa, kb[2], kb[3]);
-        }
-      }
-    }
+    mma_acc_b<HP, kGroups, kFull>(dq, dp, s_k, buf, c0, groups, off_a);
   };
 
   for (int c = 0; c < n_chunks; ++c) {
