@@ -45,9 +45,14 @@ std::string usage() {
              "  --bucket-mb N          gradient all-reduce bucket size in MB (default 25)\n"
              "  --reduce-dtype D       fp32 (default) or bf16: the dtype the gradients are averaged in\n"
              "  --comm-overlap on|off  on (default): each bucket is all-reduced during the backward; off: after it\n"
+             "  --allreduce A          how the gradients are summed: nccl, copy-engine (GPUs of one process: copied\n"
+             "                         peer to peer by the copy engines, summed by a small kernel, no NCCL kernel\n"
+             "                         beside the backward; fp32, no --nccl-window) or auto (default: copy-engine\n"
+             "                         where it applies, else nccl)\n"
              "  --nccl-window on|off   experimental, off by default: on all-reduces the gradients in NCCL-allocated memory\n"
              "                         registered as a symmetric window (faster; a failing rank can leave the others hung)\n"
-             "  --comm-timeout S       a data-parallel run stops if no step finishes for S seconds (default 300)\n"             "  --comm-ctas N          NCCL uses at most N thread blocks (SMs), leaving the rest to the backward\n"
+             "  --comm-timeout S       a data-parallel run stops if no step finishes for S seconds (default 300)\n"
+             "  --comm-ctas N          NCCL uses at most N thread blocks (SMs), leaving the rest to the backward\n"
              "                         it overlaps (default 0: NCCL's choice)\n"
              "  --precision P          bf16 (default) or fp8 (the blocks' Linear layers in FP8, all three GEMMs)\n"
              "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
@@ -119,6 +124,10 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--comm-overlap", [&](const std::string& f, const std::string& v) {
          if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");
          o.comm_overlap = v == "on";
+       }},
+      {"--allreduce", [&](const std::string& f, const std::string& v) {
+         if (v != "auto" && v != "nccl" && v != "copy-engine") bad("unknown " + f + " '" + v + "'; choose auto, nccl or copy-engine");
+         o.allreduce = v;
        }},
       {"--nccl-window", [&](const std::string& f, const std::string& v) {
          if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");
@@ -246,6 +255,9 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     bad("--dump-reference replays the synthetic data at a constant learning rate in timm's bf16 autocast: it takes "
         "neither --data, --lr-schedule cosine, --warmup-steps nor --precision fp8");
   if (!o.dump_reference.empty() && o.gpus > 1) bad("--dump-reference runs on one GPU (--gpus 1)");
+  if (o.allreduce == "copy-engine" && (o.reduce_dtype != "fp32" || o.nccl_window))
+    bad("--allreduce copy-engine sums fp32 gradients in plain device memory: it takes neither --reduce-dtype bf16 "
+        "nor --nccl-window on");
   if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
   if (!o.resume.empty() && !o.init_from.empty()) bad("--resume and --init-from exclude each other (a checkpoint has its weights)");
   if (o.epochs == 0) set_total_steps(o, o.steps);

@@ -13,6 +13,9 @@ struct TrainOptions {
   int bucket_mb = 25;  // gradient all-reduce bucket size
   std::string reduce_dtype = "fp32";  // or "bf16"
   bool comm_overlap = true;  // all-reduce each bucket during the backward (false: after it)
+  // How the gradients are summed: "nccl", "copy-engine" (GPUs of one process: cudaMemcpyPeerAsync
+  // and a small sum kernel, no NCCL kernel beside the backward), or "auto" (copy-engine where it applies).
+  std::string allreduce = "auto";
   bool nccl_window = false;  // the all-reduced buffer from ncclMemAlloc, registered as a symmetric window
   int comm_timeout = 300;  // seconds without a finished step before a data-parallel run gives up
   int comm_ctas = 0;  // NCCL's thread blocks at most (0: NCCL's choice)

@@ -5,7 +5,9 @@
 
 #include "engine/check.h"
 #include "engine/nvtx.h"
+#include "engine/peer_exchange.h"
 #include "kernels/elementwise.h"
+#include "kernels/reduce.h"
 
 void throw_nccl_error(ncclResult_t r, const char* call, const char* file, int line) {
   std::string msg = std::string("NCCL error ") + ncclGetErrorString(r) + " in " + call + " at " + file + ":" +
@@ -49,11 +51,15 @@ void Comm::abort(const std::string& why) {
   if (locked) mutex_.unlock();
 }
 
-void Comm::check() {
+void Comm::throw_if_aborted() {
   if (aborted_) {
     std::lock_guard<std::mutex> once(abort_mutex_);
     throw RuntimeError("stopping: " + abort_reason_);
   }
+}
+
+void Comm::check() {
+  throw_if_aborted();
   ncclResult_t async = ncclSuccess;
   NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
   if (async != ncclSuccess) throw_nccl_error(async, "a collective in flight", __FILE__, __LINE__);
@@ -105,27 +111,67 @@ void Comm::all_gather(const void* send, void* recv, size_t count, ncclDataType_t
   NCCL_CHECK(ncclAllGather(send, recv, count, type, comm_, stream_));
 }
 
+namespace {
+constexpr size_t kShareAlign = 64;  // floats: shares start 256-byte aligned in a slot (and in the
+                                    // gradients, whose tensors start at multiples of 128 floats)
+
+size_t share_of(size_t bucket, int ranks) {
+  const size_t even = (bucket + ranks - 1) / ranks;
+  return (even + kShareAlign - 1) / kShareAlign * kShareAlign;
+}
+
+// Buckets cut from the end of [0, count).
+template <class F>
+void for_each_bucket(size_t count, size_t bucket_floats, F f) {
+  for (size_t end = count; end > 0;) {
+    const size_t begin = end > bucket_floats ? end - bucket_floats : 0;
+    f(begin, end);
+    end = begin;
+  }
+}
+}  // namespace
+
+size_t GradSync::receive_floats(size_t count, size_t bucket_floats, int ranks) {
+  size_t slot = 0;
+  for_each_bucket(count, bucket_floats, [&](size_t begin, size_t end) { slot += share_of(end - begin, ranks); });
+  return slot * (ranks - 1);
+}
+
 GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype,
-                   __nv_bfloat16* staging, cudaStream_t compute, bool overlap, bool window)
-    : comm_(comm), grads_(grads), dtype_(dtype), staging_(staging), compute_(compute), overlap_(overlap) {
-  ENSURE(bucket_floats > 0 && (dtype == ReduceDType::F32 || staging), "GradSync: empty buckets or no staging");
+                   __nv_bfloat16* staging, cudaStream_t compute, bool overlap, bool window, PeerGroup* peers)
+    : comm_(comm), grads_(grads), dtype_(dtype), staging_(staging), compute_(compute), overlap_(overlap), peers_(peers) {
+  ENSURE(count > 0 && bucket_floats > 0 && (dtype == ReduceDType::F32 || staging), "GradSync: no gradient, empty buckets or no staging");
+  ENSURE(!peers || (dtype == ReduceDType::F32 && !window && peers->ranks() == comm.world()),
+         "GradSync: the copy-engine exchange sums fp32 gradients of every rank, outside NCCL's window");
   if (window) {
     window_ = dtype == ReduceDType::F32 ? comm.register_window(grads, count * sizeof(float), &window_failure_)
                                          : comm.register_window(staging, count * sizeof(__nv_bfloat16), &window_failure_);
   }
-  for (size_t end = count; end > 0;) {
-    const size_t begin = end > bucket_floats ? end - bucket_floats : 0;
-    buckets_.push_back({begin, end});
-    end = begin;
+  for_each_bucket(count, bucket_floats, [&](size_t begin, size_t end) {
+    Bucket b{begin, end};
+    if (peers) {
+      b.share = share_of(end - begin, comm.world());
+      b.slot = slot_floats_;
+      slot_floats_ += b.share;
+    }
+    buckets_.push_back(b);
+  });
+  if (peers) {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&push_stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&sum_stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    self_ = &peers->join(comm.rank(), grads, slot_floats_, static_cast<int>(buckets_.size()), comm);
   }
 }
 
 GradSync::~GradSync() {
   comm_.deregister_window(window_);
-  for (Bucket& b : buckets_) {
-    if (b.start) cudaEventDestroy(b.start);
-    if (b.stop) cudaEventDestroy(b.stop);
-  }
+  for (Bucket& b : buckets_)
+    for (cudaEvent_t e : {b.start, b.stop, b.sum_start, b.sum_stop})
+      if (e) cudaEventDestroy(e);
+  if (ready_) cudaEventDestroy(ready_);
+  if (push_stream_) cudaStreamDestroy(push_stream_);
+  if (sum_stream_) cudaStreamDestroy(sum_stream_);
 }
 
 void GradSync::enable_timing() {
@@ -133,6 +179,10 @@ void GradSync::enable_timing() {
   for (Bucket& b : buckets_) {
     CUDA_CHECK(cudaEventCreate(&b.start));
     CUDA_CHECK(cudaEventCreate(&b.stop));
+    if (peers_) {
+      CUDA_CHECK(cudaEventCreate(&b.sum_start));
+      CUDA_CHECK(cudaEventCreate(&b.sum_stop));
+    }
   }
 }
 
@@ -143,25 +193,84 @@ void GradSync::collect() {
     CUDA_CHECK(cudaEventSynchronize(b.stop));
     CUDA_CHECK(cudaEventElapsedTime(&ms, b.start, b.stop));
     busy_ms_ += ms;
+    if (peers_) {
+      CUDA_CHECK(cudaEventSynchronize(b.sum_stop));
+      CUDA_CHECK(cudaEventElapsedTime(&ms, b.sum_start, b.sum_stop));
+      busy_ms_ += ms;
+    }
   }
 }
 
 void GradSync::begin_step() {
   for (Bucket& b : buckets_) b.launched = false;
+  next_sum_ = 0;
+  ++step_;
+}
+
+void GradSync::push_shares(int index) {
+  const Bucket& b = buckets_[index];
+  const int me = comm_.rank();
+  for (int p = 0; p < comm_.world(); ++p) {
+    if (p == me) continue;
+    const PeerGroup::Member& peer = peers_->member(p);
+    const size_t begin = share_begin(b, p), n = share_end(b, p) - begin;
+    float* slot = peer.receive + static_cast<size_t>(me < p ? me : me - 1) * slot_floats_ + b.slot;
+    if (n) CUDA_CHECK(cudaMemcpyPeerAsync(slot, peer.device, grads_ + begin, self_->device, n * sizeof(float), push_stream_));
+  }
+  CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kPushed][index], push_stream_));
+  peers_->publish(me, PeerGroup::kPushed, index, step_);
+}
+
+void GradSync::sum_ready(bool wait) {
+  const int me = comm_.rank(), world = comm_.world();
+  for (; next_sum_ < buckets_.size(); ++next_sum_) {
+    const int index = static_cast<int>(next_sum_);
+    Bucket& b = buckets_[index];
+    if (!b.launched) return;  // its pushes come first, from launch()
+    for (int p = 0; p < world; ++p) {
+      if (p == me) continue;
+      if (wait) {
+        peers_->await(p, PeerGroup::kPushed, index, step_, comm_);
+      } else if (!peers_->published_for(p, PeerGroup::kPushed, index, step_)) {
+        return;
+      }
+    }
+    NvtxRange range("gradient sum and push-back (copy engines)");
+    // After this rank's own pushes of the bucket (which followed the backward's writes of it) and
+    // the peers' pushes into the receive buffer.
+    CUDA_CHECK(cudaStreamWaitEvent(sum_stream_, self_->events[PeerGroup::kPushed][index], 0));
+    for (int p = 0; p < world; ++p)
+      if (p != me) CUDA_CHECK(cudaStreamWaitEvent(sum_stream_, peers_->member(p).events[PeerGroup::kPushed][index], 0));
+    if (timing_) CUDA_CHECK(cudaEventRecord(b.sum_start, sum_stream_));
+    const size_t begin = share_begin(b, me), n = share_end(b, me) - begin;
+    sum_into(grads_ + begin, self_->receive + b.slot, slot_floats_, world - 1, n, sum_stream_);
+    for (int p = 0; p < world; ++p) {
+      if (p == me || n == 0) continue;
+      const PeerGroup::Member& peer = peers_->member(p);
+      CUDA_CHECK(cudaMemcpyPeerAsync(peer.grads + begin, peer.device, grads_ + begin, self_->device, n * sizeof(float),
+                                     sum_stream_));
+    }
+    if (timing_) CUDA_CHECK(cudaEventRecord(b.sum_stop, sum_stream_));
+    CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kGathered][index], sum_stream_));
+    peers_->publish(me, PeerGroup::kGathered, index, step_);
+  }
 }
 
 void GradSync::launch(Bucket& b) {
-  NvtxRange range("gradient all-reduce bucket");
+  NvtxRange range(peers_ ? "gradient bucket pushed to the peers (copy engines)" : "gradient all-reduce bucket");
   const size_t n = b.end - b.begin;
-  if (timing_) CUDA_CHECK(cudaEventRecord(b.start, comm_.stream()));
-  if (dtype_ == ReduceDType::F32) {
+  cudaStream_t stream = peers_ ? push_stream_ : comm_.stream();
+  if (timing_) CUDA_CHECK(cudaEventRecord(b.start, stream));
+  if (peers_) {
+    push_shares(static_cast<int>(&b - buckets_.data()));
+  } else if (dtype_ == ReduceDType::F32) {
     comm_.all_reduce(grads_ + b.begin, n, ncclFloat32, ncclSum);
   } else {  // half the bytes on the wire; the sum rounds to bf16 once
-    cast_to_bf16(grads_ + b.begin, staging_ + b.begin, n, comm_.stream());
+    cast_to_bf16(grads_ + b.begin, staging_ + b.begin, n, stream);
     comm_.all_reduce(staging_ + b.begin, n, ncclBfloat16, ncclSum);
-    cast_to_f32(staging_ + b.begin, grads_ + b.begin, n, comm_.stream());
+    cast_to_f32(staging_ + b.begin, grads_ + b.begin, n, stream);
   }
-  if (timing_) CUDA_CHECK(cudaEventRecord(b.stop, comm_.stream()));
+  if (timing_) CUDA_CHECK(cudaEventRecord(b.stop, stream));
   b.launched = true;
 }
 
@@ -173,13 +282,34 @@ void GradSync::launch_from(size_t offset) {
   bool ordered = false;
   for (Bucket& b : buckets_) {
     if (b.launched || b.begin < offset) continue;
-    if (!ordered) comm_.order(compute_, comm_.stream());  // the gradients so far are on the compute stream
+    if (!ordered) {  // the gradients so far are on the compute stream
+      if (peers_) {
+        CUDA_CHECK(cudaEventRecord(ready_, compute_));
+        CUDA_CHECK(cudaStreamWaitEvent(push_stream_, ready_, 0));
+      } else {
+        comm_.order(compute_, comm_.stream());
+      }
+    }
     ordered = true;
     launch(b);
   }
+  if (peers_) sum_ready(false);
 }
 
 void GradSync::finish() {
   launch_from(0);
-  comm_.order(comm_.stream(), compute_);
+  if (peers_) {
+    // Every peer pushes its sums back in bucket order on one stream: the last bucket's event
+    // covers them all; this rank's own sums are on its sum stream.
+    sum_ready(true);
+    const int last = static_cast<int>(buckets_.size()) - 1;
+    for (int p = 0; p < comm_.world(); ++p) {
+      if (p == comm_.rank()) continue;
+      peers_->await(p, PeerGroup::kGathered, last, step_, comm_);
+      CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kGathered][last], 0));
+    }
+    CUDA_CHECK(cudaStreamWaitEvent(compute_, self_->events[PeerGroup::kGathered][last], 0));
+  } else {
+    comm_.order(comm_.stream(), compute_);
+  }
 }

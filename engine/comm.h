@@ -4,10 +4,13 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "engine/peer_exchange.h"
 
 [[noreturn]] void throw_nccl_error(ncclResult_t r, const char* call, const char* file, int line);
 #define NCCL_CHECK(call)                                                    \
@@ -51,6 +54,8 @@ class Comm {
   void abort(const std::string& why);
   // Throws if aborted; else the communicator's asynchronous error, if any.
   void check();
+  // Throws if aborted, without calling into NCCL: safe from any thread at any moment.
+  void throw_if_aborted();
 
  private:
   ncclComm_t comm_ = nullptr;
@@ -71,19 +76,25 @@ enum class ReduceDType { F32, BF16 };
 // cut from the end; ready_from(offset) tells that every gradient at or past offset is final, and
 // each bucket wholly inside that range starts its all-reduce on the communication stream at
 // once, while the backward goes on with earlier blocks. finish() starts what is left and makes
-// the compute stream wait for all of it.
+// the compute stream wait for all of it. With a PeerGroup (every rank a GPU of this process) the
+// sums go through the copy engines instead of NCCL (peer_exchange.h): a bucket's pushes start
+// when it is ready, its owner's sum and the pushes back as soon as every peer's pushes are queued.
 class GradSync {
  public:
   // Sums the ranks' gradients (the loss gradient is divided by the ranks already, so the sum is
   // the average). overlap: ready_from() starts the buckets it completes at once, during the
   // backward; without it every bucket starts in finish(). window: the buffer all-reduced (grads,
   // or staging for bf16) came from ncclMemAlloc and is registered as a symmetric window.
+  // peers: exchange through the copy engines (fp32 only; no window); this rank is comm.rank().
   GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype, __nv_bfloat16* staging,
-           cudaStream_t compute, bool overlap = true, bool window = false);
+           cudaStream_t compute, bool overlap = true, bool window = false, PeerGroup* peers = nullptr);
   // Empty if the window asked for is registered (or none was asked for), else why not.
   const std::string& window_failure() const { return window_failure_; }
   bool windowed() const { return window_ != nullptr; }
   static size_t staging_elements(size_t count, ReduceDType dtype) { return dtype == ReduceDType::BF16 ? count : 0; }
+  // The floats of the receive buffer the copy-engine exchange allocates on each rank.
+  static size_t receive_floats(size_t count, size_t bucket_floats, int ranks);
+  bool copy_engines() const { return peers_ != nullptr; }
 
   void begin_step();
   void ready_from(size_t offset);
@@ -96,15 +107,26 @@ class GradSync {
   void collect();
   double busy_ms() const { return busy_ms_; }
   ~GradSync();
+  GradSync(const GradSync&) = delete;
+  GradSync& operator=(const GradSync&) = delete;
 
  private:
   struct Bucket {
     size_t begin, end;
+    size_t share = 0;  // copy engines: each rank owns [begin + r * share, ...) of it, cut at end
+    size_t slot = 0;   // where its shares lie in a receive slot
     bool launched = false;
     cudaEvent_t start = nullptr, stop = nullptr;
+    cudaEvent_t sum_start = nullptr, sum_stop = nullptr;  // copy engines: the second phase
   };
   void launch(Bucket& b);
   void launch_from(size_t offset);
+  // Copy engines: [first, last) of rank r's share of bucket b.
+  size_t share_begin(const Bucket& b, int r) const { return std::min(b.end, b.begin + r * b.share); }
+  size_t share_end(const Bucket& b, int r) const { return std::min(b.end, b.begin + (r + 1) * b.share); }
+  void push_shares(int index);
+  // Sums and pushes back the buckets, in order, whose peers' pushes are queued; with wait, all of them.
+  void sum_ready(bool wait);
   Comm& comm_;
   float* grads_;
   ReduceDType dtype_;
@@ -114,6 +136,15 @@ class GradSync {
   ncclWindow_t window_ = nullptr;
   std::string window_failure_;
   std::vector<Bucket> buckets_;  // from the end of the buffer to its start
+  // Copy engines: the group, this rank's side of it, the two streams (pushes; sums and pushes
+  // back, which wait on the peers), the event that orders the compute stream before a push.
+  PeerGroup* peers_ = nullptr;
+  const PeerGroup::Member* self_ = nullptr;
+  cudaStream_t push_stream_ = nullptr, sum_stream_ = nullptr;
+  cudaEvent_t ready_ = nullptr;
+  size_t slot_floats_ = 0;  // a receive slot: every bucket's share
+  size_t next_sum_ = 0;     // the first bucket not summed yet
+  long step_ = 0;
   bool timing_ = false;
   double busy_ms_ = 0;
 };

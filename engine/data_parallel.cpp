@@ -16,6 +16,7 @@
 #include "engine/check.h"
 #include "engine/comm.h"
 #include "engine/distributed.h"
+#include "engine/peer_exchange.h"
 #include "engine/trainer.h"
 
 namespace {
@@ -67,6 +68,27 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
                      " but this machine has " + std::to_string(count) + " GPU(s)");
   const int world = group.size * opts.gpus;
 
+  // The copy-engine exchange needs every rank in this process, peer access between their GPUs,
+  // fp32 sums outside NCCL's window; auto takes it where it applies, and says so when it does not.
+  std::unique_ptr<PeerGroup> peers;
+  if (opts.allreduce != "nccl" && opts.reduce_dtype == "fp32" && !opts.nccl_window && (world > 1 || opts.allreduce != "auto")) {
+    std::vector<int> devices;
+    for (int w = 0; w < opts.gpus; ++w) devices.push_back(first_device + w);
+    std::string why;
+    if (group.size > 1)
+      why = "the ranks are spread over " + std::to_string(group.size) + " processes (a launcher's job)";
+    else
+      PeerGroup::reachable(devices, &why);
+    if (why.empty()) {
+      peers = std::make_unique<PeerGroup>(world);
+    } else if (opts.allreduce == "copy-engine") {
+      throw UsageError("--allreduce copy-engine needs every rank's GPU in this process, each reaching the others' "
+                       "memory: " + why + "; use --allreduce nccl");
+    } else if (group.rank == 0 && opts.gpus > 1) {
+      std::printf("note: gradients summed over NCCL (--allreduce auto): %s\n", why.c_str());
+    }
+  }
+
   // The NCCL id travels from process 0 to the others over the control channel.
   std::vector<char> id_bytes;
   if (group.rank == 0) {
@@ -109,6 +131,7 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
           if (!sup.aborting.empty()) comm->abort(sup.aborting);  // the failure came during its init
         }
         ctx.comm = comm.get();
+        ctx.peers = peers.get();
         trainer = std::make_unique<Trainer>(opts, ctx);
         trainer->train();
       } catch (const std::exception& e) {
@@ -119,8 +142,18 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
           channel.report_failure(what);
         }
       }
+      bool failed;
+      {
+        std::lock_guard<std::mutex> lock(sup.mutex);
+        failed = !sup.failure.empty();
+      }
       try {
-        trainer.reset();
+        // After a failure the process exits next; with the copy-engine exchange a peer's copies
+        // may still be in flight towards this rank's gradients, so they are not freed under them.
+        if (failed && peers)
+          (void)trainer.release();
+        else
+          trainer.reset();
       } catch (...) {
       }
       {

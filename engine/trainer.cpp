@@ -152,7 +152,10 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   gemm_workspace_ = kGemmWorkspace;
   const ReduceDType reduce_dtype = opts_.reduce_dtype == "bf16" ? ReduceDType::BF16 : ReduceDType::F32;
   const size_t staging = ctx_.comm ? GradSync::staging_elements(ParamLayout(cfg).total(), reduce_dtype) : 0;
-  const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspace_ + staging * sizeof(__nv_bfloat16);
+  const size_t bucket_floats = std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float));
+  const size_t receive = ctx_.peers ? GradSync::receive_floats(ParamLayout(cfg).total(), bucket_floats, ctx_.world) : 0;
+  const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspace_ + staging * sizeof(__nv_bfloat16) +
+                      receive * sizeof(float);
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   const size_t usable = free_b - std::min(free_b, size_t(512) << 20);  // room for the CUDA libraries
@@ -193,9 +196,8 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
       CUDA_CHECK(cudaMalloc(&reduce_staging_, staging * sizeof(__nv_bfloat16)));
     }
     model_->set_gradient_ranks(ctx_.world);
-    const size_t bucket_floats = std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float));
     sync_ = std::make_unique<GradSync>(*ctx_.comm, model_->grads(), model_->layout().total(), bucket_floats,
-                                       reduce_dtype, reduce_staging_, stream_, opts_.comm_overlap, window);
+                                       reduce_dtype, reduce_staging_, stream_, opts_.comm_overlap, window, ctx_.peers);
     if (!sync_->window_failure().empty() && ctx_.rank == 0)
       std::printf("note: NCCL could not register the gradient buffer as a window (%s); all-reducing without\n",
                   sync_->window_failure().c_str());
@@ -328,9 +330,10 @@ void Trainer::print_summary() const {
   else
     std::printf("  data        synthetic: N(0, 1) images, label = sample index %% classes, made on the GPU\n");
   if (ctx_.comm)
-    std::printf("  parallel    %d ranks (%s), global batch %d; gradients averaged in %s over NCCL, %d buckets of %d MB\n"
+    std::printf("  parallel    %d ranks (%s), global batch %d; gradients averaged in %s %s, %d buckets of %d MB\n"
                 "              on a communication stream, %s%s\n",
-                ctx_.world, ctx_.layout.c_str(), ctx_.world * opts_.batch, opts_.reduce_dtype.c_str(), sync_->buckets(),
+                ctx_.world, ctx_.layout.c_str(), ctx_.world * opts_.batch, opts_.reduce_dtype.c_str(),
+                sync_->copy_engines() ? "through the copy engines (peer to peer)" : "over NCCL", sync_->buckets(),
                 opts_.bucket_mb, opts_.comm_overlap ? "overlapping the backward" : "after the backward (--comm-overlap off)",
                 sync_->windowed() ? ", in a registered NCCL window" : "");
   std::printf("  training    batch %d%s, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",

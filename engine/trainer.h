@@ -26,6 +26,7 @@ struct WorkerContext {
   int rank = 0, world = 1, device = 0;
   std::string layout;        // how the ranks are spread, for the start-up summary
   Comm* comm = nullptr;      // null when alone
+  PeerGroup* peers = nullptr;  // set: gradients summed through the copy engines (--allreduce)
   std::atomic<long>* progress = nullptr;  // steps finished, for the supervisor's timeout
   bool logs() const { return rank == 0; }
 };

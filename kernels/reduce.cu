@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "engine/check.h"
 #include "engine/nvtx.h"
 #include "kernels/common.cuh"
@@ -129,5 +131,46 @@ void l2_norm(const float* x, size_t n, float* partial, float* out, cudaStream_t 
   sum_squares_kernel<<<kNormBlocks, kNormThreads, 0, stream>>>(x, n, partial);
   LAUNCH_CHECK();
   sqrt_sum_kernel<<<1, kNormThreads, 0, stream>>>(partial, kNormBlocks, out);
+  LAUNCH_CHECK();
+}
+
+namespace {
+__global__ void sum_into_kernel(float* __restrict__ dst, const float* __restrict__ src, size_t stride, int sources,
+                                size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    float acc = dst[i];
+    for (int s = 0; s < sources; ++s) acc += src[s * stride + i];
+    dst[i] = acc;
+  }
+}
+
+__global__ void sum_into_vec_kernel(float4* __restrict__ dst, const float4* __restrict__ src, size_t stride4,
+                                    int sources, size_t n4) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n4; i += size_t(gridDim.x) * blockDim.x) {
+    float4 acc = dst[i];
+    for (int s = 0; s < sources; ++s) {
+      const float4 v = src[s * stride4 + i];
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    dst[i] = acc;
+  }
+}
+}  // namespace
+
+void sum_into(float* dst, const float* src, size_t stride, int sources, size_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  NvtxRange range("sum_into");
+  // A few blocks an SM at most: this runs beside the backward's kernels, which should keep the GPU.
+  constexpr unsigned kMaxBlocks = 264;
+  if (is_aligned16(dst) && is_aligned16(src) && stride % 4 == 0 && n % 4 == 0) {
+    const unsigned blocks = std::min(grid_stride_blocks(n / 4, 256), kMaxBlocks);
+    sum_into_vec_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<float4*>(dst),
+                                                    reinterpret_cast<const float4*>(src), stride / 4, sources, n / 4);
+  } else {
+    sum_into_kernel<<<std::min(grid_stride_blocks(n, 256), kMaxBlocks), 256, 0, stream>>>(dst, src, stride, sources, n);
+  }
   LAUNCH_CHECK();
 }

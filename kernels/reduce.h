@@ -19,3 +19,6 @@ void checksum(const float* x, size_t n, unsigned long long* out, cudaStream_t st
 // (l2_norm_partial_floats()); the global gradient norm for clipping.
 void l2_norm(const float* x, size_t n, float* partial, float* out, cudaStream_t stream);
 size_t l2_norm_partial_floats();
+// dst[i] = dst[i] + src[0 * stride + i] + src[1 * stride + i] + ... over `sources` arrays, added
+// in that order (fp32): a rank's share of the gradients summed with the copies its peers sent.
+void sum_into(float* dst, const float* src, size_t stride, int sources, size_t n, cudaStream_t stream);

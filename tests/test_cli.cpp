@@ -107,6 +107,15 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(!parse({}).nccl_window);
   CHECK(parse({"--nccl-window", "on"}).nccl_window);
   CHECK(usage_error({"--nccl-window", "yes"}).find("unknown --nccl-window 'yes'") != std::string::npos);
+  CHECK(parse({}).allreduce == "auto");
+  CHECK(parse({"--allreduce", "copy-engine"}).allreduce == "copy-engine");
+  CHECK(parse({"--allreduce", "nccl", "--nccl-window", "on"}).allreduce == "nccl");
+  CHECK(usage_error({"--allreduce", "ring"}).find("unknown --allreduce 'ring'; choose auto, nccl or copy-engine") !=
+        std::string::npos);
+  CHECK(usage_error({"--allreduce", "copy-engine", "--reduce-dtype", "bf16"}).find("--allreduce copy-engine sums fp32") !=
+        std::string::npos);
+  CHECK(usage_error({"--allreduce", "copy-engine", "--nccl-window", "on"}).find("--allreduce copy-engine sums fp32") !=
+        std::string::npos);
   const TrainOptions t = parse({"--gpus", "2", "--bucket-mb", "50", "--reduce-dtype", "bf16", "--clip-grad", "1.5",
                                 "--label-smoothing", "0.1", "--save", "ckpt", "--save-every", "100", "--keep", "5"});
   CHECK(t.gpus == 2);

@@ -262,16 +262,21 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
     const std::string checksum = "weights: checksum ";
     REQUIRE(after.out.find(checksum) != std::string::npos);
     CHECK(after.out.substr(after.out.find(checksum), 34) == two.out.substr(two.out.find(checksum), 34));
-    // NCCL's registered window instead of plain device memory: the same sums again.
+    // The default on one machine is the copy-engine exchange; NCCL's all-reduce, in plain memory
+    // and in its registered window, must give the same sums (two ranks: a + b either way).
+    CHECK(two.out.find("through the copy engines") != std::string::npos);
     CHECK(two.out.find("in a registered NCCL window") == std::string::npos);
-    const Run windowed =
-        shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --no-gemm-autotune --nccl-window on");
-    CAPTURE(windowed.out);
-    REQUIRE(windowed.code == 0);
-    CHECK(losses(windowed.out) == losses(two.out));
-    CHECK(windowed.out.find("in a registered NCCL window") != std::string::npos);
-    REQUIRE(windowed.out.find(checksum) != std::string::npos);
-    CHECK(windowed.out.substr(windowed.out.find(checksum), 34) == two.out.substr(two.out.find(checksum), 34));
+    for (const char* nccl : {"--allreduce nccl", "--nccl-window on"}) {
+      CAPTURE(nccl);
+      const Run other = shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --no-gemm-autotune " + nccl);
+      CAPTURE(other.out);
+      REQUIRE(other.code == 0);
+      CHECK(other.out.find("over NCCL") != std::string::npos);
+      CHECK((other.out.find("in a registered NCCL window") != std::string::npos) == (std::string(nccl) == "--nccl-window on"));
+      CHECK(losses(other.out) == losses(two.out));
+      REQUIRE(other.out.find(checksum) != std::string::npos);
+      CHECK(other.out.substr(other.out.find(checksum), 34) == two.out.substr(two.out.find(checksum), 34));
+    }
   }
 }
 
@@ -295,12 +300,16 @@ TEST_CASE("gpu: a failing rank or a killed process stops the others with a messa
   SKIP_WITHOUT_TWO_GPUS();
   const std::string long_run = "./vit_train --img 32 --patch 8 --channels 3 --classes 10 --dim 64 --depth 2 --heads 4 "
                                "--batch 16 --steps 100000 --log-every 10";
-  // A worker thread fails at step 5: the run stops with exit 1 and names rank 1.
-  const Run injected = shell("VIT_TRAIN_TEST_FAIL=1:5 " + long_run + " --gpus 2");
-  CAPTURE(injected.out);
-  CHECK(injected.code == 1);
-  CHECK(injected.out.find("rank 1: failure injected") != std::string::npos);
-  CHECK(injected.seconds < 60);
+  // A worker thread fails at step 5: the run stops with exit 1 and names rank 1, whichever way
+  // the gradients travel (the copy-engine exchange's host waits give way to the abort).
+  for (const char* allreduce : {"copy-engine", "nccl"}) {
+    CAPTURE(allreduce);
+    const Run injected = shell("VIT_TRAIN_TEST_FAIL=1:5 " + long_run + " --gpus 2 --allreduce " + allreduce);
+    CAPTURE(injected.out);
+    CHECK(injected.code == 1);
+    CHECK(injected.out.find("rank 1: failure injected") != std::string::npos);
+    CHECK(injected.seconds < 60);
+  }
 
   // One process of two is killed: the other learns of it from the control channel and stops.
   const std::string port = std::to_string(free_port());

@@ -131,6 +131,33 @@ TEST_CASE("gpu: column sums") {
   }
 }
 
+
+TEST_CASE("gpu: sum_into adds the sources in order, vectorised and not") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  // n % 4 == 0 with an aligned stride takes the float4 path; the others the scalar one.
+  struct Case {
+    size_t n, stride;
+    int sources;
+  };
+  for (const Case& c : {Case{4096, 4160, 1}, Case{1 << 20, 1 << 20, 3}, Case{1001, 1003, 2}, Case{12, 16, 7}}) {
+    const size_t n = c.n, stride = c.stride;
+    const int sources = c.sources;
+    CAPTURE(n);
+    CAPTURE(sources);
+    const auto dst0 = round_f32(random_vec(rng, n, -4, 4));
+    const auto src = round_f32(random_vec(rng, stride * sources, -4, 4));
+    std::vector<float> ref(n);
+    for (size_t i = 0; i < n; ++i) {
+      float acc = static_cast<float>(dst0[i]);  // the same fp32 additions in the same order: equal bits
+      for (int s = 0; s < sources; ++s) acc += static_cast<float>(src[s * stride + i]);
+      ref[i] = acc;
+    }
+    DeviceBuffer<float> dst(to_f32(dst0)), srcs(to_f32(src));
+    sum_into(dst.get(), srcs.get(), stride, sources, n, 0);
+    CHECK(dst.download() == ref);
+  }
+}
 TEST_CASE("gpu: patchify and the class-token/position embedding") {
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
