@@ -2,7 +2,8 @@
 # Data-parallel scaling on one machine, in one call: the engine on 1 and on N GPUs in each
 # precision, and PyTorch (timm ViT-H/16, bf16 autocast, batch on the GPU) eager on 1 GPU and
 # DistributedDataParallel on N, all at batch 64 per GPU. Scaling efficiency = 1-GPU step time /
-# N-GPU step time (the same work per GPU). Then one N-GPU --timing run per precision for the
+# N-GPU step time (the same work per GPU). The N-GPU runs go once with the default exchange (the
+# copy engines) and once with --allreduce nccl. Then one N-GPU --timing run per precision for the
 # all-reduce summary (how much of the communication the backward hides).
 #
 # Usage: tools/bench_scaling.sh [N]   (default 2)
@@ -23,12 +24,16 @@ field() {  # field LOG NAME KEY: KEY=... on the last "RESULT NAME" line of LOG
     END { if (v == "") exit 1; print v }' "$1" || { echo "bench_scaling.sh: no $3 in 'RESULT $2' of $1" >&2; exit 1; }
 }
 
+run_engine() {  # run_engine PRECISION GPUS LOG_SUFFIX [FLAGS...]
+  local p=$1 g=$2 suffix=$3; shift 3
+  echo "== engine $p, $g GPU(s): ./vit_train --batch 64 --precision $p --gpus $g --steps $((STEPS + WARMUP)) --warmup $WARMUP $*"
+  ./vit_train --batch 64 --precision "$p" --gpus "$g" --steps $((STEPS + WARMUP)) --warmup "$WARMUP" "$@" 2>&1 \
+    | tee "$LOG_DIR/scaling_engine_${p}_$suffix.log" | grep -E "RESULT|weights|parallel"
+}
 for p in $PRECISIONS; do
-  for g in 1 "$N"; do
-    echo "== engine $p, $g GPU(s): ./vit_train --batch 64 --precision $p --gpus $g --steps $((STEPS + WARMUP)) --warmup $WARMUP"
-    ./vit_train --batch 64 --precision "$p" --gpus "$g" --steps $((STEPS + WARMUP)) --warmup "$WARMUP" 2>&1 \
-      | tee "$LOG_DIR/scaling_engine_${p}_$g.log" | grep -E "RESULT|weights|parallel"
-  done
+  run_engine "$p" 1 1
+  run_engine "$p" "$N" "$N"
+  run_engine "$p" "$N" "${N}_nccl" --allreduce nccl
 done
 echo "== pytorch eager, 1 GPU"
 python3 tools/pytorch_baseline.py --batch 64 --steps "$STEPS" --warmup "$WARMUP" 2>&1 | tee "$LOG_DIR/scaling_pytorch_1.log" | grep RESULT
@@ -39,10 +44,12 @@ python3 -m torch.distributed.run --nproc_per_node "$N" tools/pytorch_baseline.py
 printf "\n== ViT-H/16, batch 64 per GPU, median of %d steps after %d warm-up\n" "$STEPS" "$WARMUP"
 printf "%-14s %12s %12s %14s %14s %10s\n" "" "1-GPU ms" "$N-GPU ms" "1-GPU img/s" "$N-GPU img/s" "scaling"
 for p in $PRECISIONS; do
-  a=$(field "$LOG_DIR/scaling_engine_${p}_1.log" engine step_ms); b=$(field "$LOG_DIR/scaling_engine_${p}_$N.log" engine step_ms)
-  printf "%-14s %12.2f %12.2f %14.1f %14.1f %10.3f\n" "engine $p" "$a" "$b" \
-    "$(field "$LOG_DIR/scaling_engine_${p}_1.log" engine img_s)" "$(field "$LOG_DIR/scaling_engine_${p}_$N.log" engine img_s)" \
-    "$(awk -v a="$a" -v b="$b" 'BEGIN { print a / b }')"
+  for suffix in "$N" "${N}_nccl"; do
+    a=$(field "$LOG_DIR/scaling_engine_${p}_1.log" engine step_ms); b=$(field "$LOG_DIR/scaling_engine_${p}_$suffix.log" engine step_ms)
+    printf "%-14s %12.2f %12.2f %14.1f %14.1f %10.3f\n" "engine $p${suffix#$N}" "$a" "$b" \
+      "$(field "$LOG_DIR/scaling_engine_${p}_1.log" engine img_s)" "$(field "$LOG_DIR/scaling_engine_${p}_$suffix.log" engine img_s)" \
+      "$(awk -v a="$a" -v b="$b" 'BEGIN { print a / b }')"
+  done
 done
 a=$(field "$LOG_DIR/scaling_pytorch_1.log" pytorch_eager step_ms); b=$(field "$LOG_DIR/scaling_pytorch_$N.log" pytorch_ddp step_ms)
 printf "%-14s %12.2f %12.2f %14.1f %14.1f %10.3f\n" "pytorch" "$a" "$b" \
