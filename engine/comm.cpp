@@ -156,8 +156,6 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
     }
     buckets_.push_back(b);
   });
-  if (!peers)
-    for (Bucket& b : buckets_) CUDA_CHECK(cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming));
   if (peers) {
     CUDA_CHECK(cudaStreamCreateWithFlags(&push_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&sum_stream_, cudaStreamNonBlocking));
@@ -169,7 +167,7 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
 GradSync::~GradSync() {
   comm_.deregister_window(window_);
   for (Bucket& b : buckets_)
-    for (cudaEvent_t e : {b.start, b.stop, b.done, b.sum_start, b.sum_stop})
+    for (cudaEvent_t e : {b.start, b.stop, b.sum_start, b.sum_stop})
       if (e) cudaEventDestroy(e);
   if (ready_) cudaEventDestroy(ready_);
   if (push_stream_) cudaStreamDestroy(push_stream_);
@@ -273,7 +271,6 @@ void GradSync::launch(Bucket& b) {
     cast_to_f32(staging_ + b.begin, grads_ + b.begin, n, stream);
   }
   if (timing_) CUDA_CHECK(cudaEventRecord(b.stop, stream));
-  if (b.done) CUDA_CHECK(cudaEventRecord(b.done, stream));
   b.launched = true;
 }
 
@@ -301,28 +298,18 @@ void GradSync::launch_from(size_t offset) {
 
 void GradSync::finish() {
   launch_from(0);
-  if (!peers_) return;
-  sum_ready(true);
-  // Peers publish their buckets in order: once the last is published, every wait_bucket() below
-  // takes this step's records.
-  for (int p = 0; p < comm_.world(); ++p)
-    if (p != comm_.rank()) peers_->await(p, PeerGroup::kGathered, static_cast<int>(buckets_.size()) - 1, step_, comm_);
-}
-
-void GradSync::wait_bucket(int i, cudaStream_t stream) {
-  if (!peers_) {
-    CUDA_CHECK(cudaStreamWaitEvent(stream, buckets_[i].done, 0));
-    return;
+  if (peers_) {
+    // Every peer pushes its sums back in bucket order on one stream: the last bucket's event
+    // covers them all; this rank's own sums are on its sum stream.
+    sum_ready(true);
+    const int last = static_cast<int>(buckets_.size()) - 1;
+    for (int p = 0; p < comm_.world(); ++p) {
+      if (p == comm_.rank()) continue;
+      peers_->await(p, PeerGroup::kGathered, last, step_, comm_);
+      CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kGathered][last], 0));
+    }
+    CUDA_CHECK(cudaStreamWaitEvent(compute_, self_->events[PeerGroup::kGathered][last], 0));
+  } else {
+    comm_.order(comm_.stream(), compute_);
   }
-  // This rank's share summed (by its sum stream), every other share pushed back by its owner.
-  for (int p = 0; p < comm_.world(); ++p)
-    CUDA_CHECK(cudaStreamWaitEvent(stream, peers_->member(p).events[PeerGroup::kGathered][i], 0));
-}
-
-void GradSync::wait_all(cudaStream_t stream) {
-  // Each rank's pushes back (and this rank's sums) run in bucket order on one stream.
-  if (peers_)
-    wait_bucket(static_cast<int>(buckets_.size()) - 1, stream);
-  else
-    comm_.order(comm_.stream(), stream);
 }

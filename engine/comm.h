@@ -75,9 +75,8 @@ enum class ReduceDType { F32, BF16 };
 // fills it from the end towards the start (head first, patch embedding last), so buckets are
 // cut from the end; ready_from(offset) tells that every gradient at or past offset is final, and
 // each bucket wholly inside that range starts its all-reduce on the communication stream at
-// once, while the backward goes on with earlier blocks. finish() starts what is left; then
-// wait_bucket(i) makes a stream wait for bucket i's sums (so the optimizer can update the first
-// buckets while the last ones are still on the wire), wait_all() for every bucket's. With a PeerGroup (every rank a GPU of this process) the
+// once, while the backward goes on with earlier blocks. finish() starts what is left and makes
+// the compute stream wait for all of it. With a PeerGroup (every rank a GPU of this process) the
 // sums go through the copy engines instead of NCCL (peer_exchange.h): a bucket's pushes start
 // when it is ready, its owner's sum and the pushes back as soon as every peer's pushes are queued.
 class GradSync {
@@ -100,13 +99,7 @@ class GradSync {
   void begin_step();
   void ready_from(size_t offset);
   void finish();
-  // Buckets in the order they complete, from the end of the buffer: [bucket_begin(i), bucket_end(i)).
   int buckets() const { return static_cast<int>(buckets_.size()); }
-  size_t bucket_begin(int i) const { return buckets_[i].begin; }
-  size_t bucket_end(int i) const { return buckets_[i].end; }
-  // After finish(): `stream` waits for bucket i's gradients to be summed on this rank, or for all.
-  void wait_bucket(int i, cudaStream_t stream);
-  void wait_all(cudaStream_t stream);
 
   // --timing: events around each bucket on the communication stream; collect() (after the step
   // has finished) adds the step's busy time, and busy_ms() is the total.
@@ -124,7 +117,6 @@ class GradSync {
     size_t slot = 0;   // where its shares lie in a receive slot
     bool launched = false;
     cudaEvent_t start = nullptr, stop = nullptr;
-    cudaEvent_t done = nullptr;  // NCCL: its all-reduce finished on the communication stream
     cudaEvent_t sum_start = nullptr, sum_stop = nullptr;  // copy engines: the second phase
   };
   void launch(Bucket& b);

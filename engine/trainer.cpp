@@ -180,9 +180,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   if (window && reduce_dtype == ReduceDType::F32) arenas_.grads.set_allocator(nccl_alloc, nccl_free);
   arenas_.commit();
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
-  // ~16 scopes a block, ~31 in fp8; two a gradient bucket in the optimizer
-  timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth + 2 * static_cast<int>(
-                                                       ctx_.comm ? ParamLayout(cfg).total() / bucket_floats + 1 : 0));
+  timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth);  // ~16 scopes a block, ~31 in fp8
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(&scalar_, sizeof(float)));
   if (opts_.clip_grad > 0) {  // the gradients' global norm, for clipping
@@ -377,8 +375,8 @@ void Trainer::forward_backward(bool sync_gradients) {
   if (sync_ && sync_gradients) {
     sync_->begin_step();
     model_->backward(stream_, *gemm_, *timer_, [this](size_t offset) { sync_->ready_from(offset); });
+    auto t = timer_->op(OpKind::CommWait, stream_);
     sync_->finish();
-    grads_pending_ = true;  // optimizer_step() waits for them, bucket by bucket
   } else {
     model_->backward(stream_, *gemm_, *timer_);
   }
@@ -413,32 +411,15 @@ std::vector<unsigned long long> Trainer::weight_checksums() {
 void Trainer::optimizer_step(int step) {
   NvtxRange range("optimizer");
   auto phase = timer_->phase(Phase::Optimizer, stream_);
-  SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
-             static_cast<float>(opts_.weight_decay), opts_.nesterov};
-  h.max_grad_norm = static_cast<float>(opts_.clip_grad);
-  if (grads_pending_ && !grad_norm_) {
-    // Bucket by bucket as their sums arrive: the first buckets' updates hide the last ones' transfers.
-    for (int i = 0; i < sync_->buckets(); ++i) {
-      {
-        auto t = timer_->op(OpKind::CommWait, stream_);
-        sync_->wait_bucket(i, stream_);
-      }
-      auto t = timer_->op(OpKind::Optimizer, stream_);
-      const size_t b = sync_->bucket_begin(i), n = sync_->bucket_end(i) - b;
-      sgd_momentum_step(model_->params() + b, model_->momentum() + b, model_->grads() + b, model_->params_bf16() + b, n,
-                        h, step == 0, stream_, model_->fp8_step_non_finite());
-    }
-  } else {
-    if (grads_pending_) {  // clipping needs the whole gradient's norm first
-      auto t = timer_->op(OpKind::CommWait, stream_);
-      sync_->wait_all(stream_);
-    }
+  {
     auto t = timer_->op(OpKind::Optimizer, stream_);
+    SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
+               static_cast<float>(opts_.weight_decay), opts_.nesterov};
+    h.max_grad_norm = static_cast<float>(opts_.clip_grad);
     if (grad_norm_) l2_norm(model_->grads(), model_->layout().total(), norm_partial_, grad_norm_, stream_);
     sgd_momentum_step(model_->params(), model_->momentum(), model_->grads(), model_->params_bf16(),
                       model_->layout().total(), h, step == 0, stream_, model_->fp8_step_non_finite(), grad_norm_);
   }
-  grads_pending_ = false;
   model_->cast_fp8_weights(stream_, timer_.get());  // the next forward's FP8 weights
 }
 
@@ -653,7 +634,7 @@ void Trainer::train() {
   if (sync_ && opts_.timing && !timed.empty()) {
     const double busy = sync_->busy_ms() / timed.size(), exposed = timer_->mean_ms(OpKind::CommWait);
     std::printf("  gradient all-reduce: %.3f ms/step on the communication stream, %.3f ms of it exposed (the compute "
-                "stream waiting): %.1f%% hidden behind the backward and the optimizer\n",
+                "stream waiting): %.1f%% hidden behind the backward\n",
                 busy, exposed, busy > 0 ? 100.0 * std::max(0.0, busy - exposed) / busy : 0.0);
   }
   std::printf("\nweights: checksum %016llx%s\n", sums[0],

@@ -53,8 +53,6 @@ class Trainer {
 
   // One step's pieces, in order (also used by the reference dump).
   void load_batch(int step);        // the step's batch into model().images()/labels()
-  // Synced, the gradients' sums are still arriving when it returns: optimizer_step() (the only
-  // reader of the gradients) waits for them bucket by bucket.
   void forward_backward(bool sync_gradients = true);
   void optimizer_step(int step);
   void end_step(int step);          // --timing: collects the step's event times
@@ -92,7 +90,6 @@ class Trainer {
   // After arenas_: destroyed before them (its window must be deregistered before the memory under
   // it is freed, also when the constructor throws).
   std::unique_ptr<GradSync> sync_;
-  bool grads_pending_ = false;  // forward_backward() synced them: optimizer_step() waits for their buckets
   std::unique_ptr<Gemm> gemm_;
   std::unique_ptr<OpTimer> timer_;
   cudaStream_t stream_ = nullptr;
