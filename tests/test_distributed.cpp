@@ -248,6 +248,14 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
     REQUIRE(two.code == 0);
     check_same_losses(losses(one.out), losses(two.out));
     CHECK(two.out.find("identical on all 2 ranks") != std::string::npos);  // the trainer checks the checksums
+    // With clipping (the norm of the summed gradients scales the update) the same.
+    const Run one_clip = shell(kSmall + " --precision " + precision + " --gpus 1 --batch 32 --clip-grad 0.05");
+    const Run two_clip = shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --clip-grad 0.05");
+    CAPTURE(two_clip.out);
+    REQUIRE(one_clip.code == 0);
+    REQUIRE(two_clip.code == 0);
+    check_same_losses(losses(one_clip.out), losses(two_clip.out));
+    CHECK(losses(two_clip.out) != losses(two.out));  // the threshold bites
     const Run bf16_reduce = shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --reduce-dtype bf16");
     CAPTURE(bf16_reduce.out);
     REQUIRE(bf16_reduce.code == 0);
