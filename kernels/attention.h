@@ -19,12 +19,20 @@
 void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse, int B, int T,
                        int H, int hd, cudaStream_t stream);
 
+// The backward's kernels. Streamed: dK/dV over key tiles and dQ over query tiles, each
+// recomputing the scores, any T. SinglePass: one block per (image, head) holding K, Q and dO in
+// shared memory, dS kept there for dQ (five products instead of seven), for T <= 208 and hd 16,
+// 32, 64 or 80 (attention_single_pass_supported). Auto: SinglePass where supported.
+enum class AttentionBackward { Auto, Streamed, SinglePass };
+bool attention_single_pass_supported(int T, int hd);
+
 // dqkv from dout, given the forward's qkv, out and lse. delta is a [B, H, T] fp32 workspace
-// (overwritten with rowsum(dout * out)). Every element of dqkv is written; deterministic (no
-// atomics).
+// (the streamed kernels overwrite it with rowsum(dout * out)). Every element of dqkv is written;
+// deterministic (no atomics).
 void attention_backward(const __nv_bfloat16* qkv, const __nv_bfloat16* out,
                         const __nv_bfloat16* dout, const float* lse, float* delta,
-                        __nv_bfloat16* dqkv, int B, int T, int H, int hd, cudaStream_t stream);
+                        __nv_bfloat16* dqkv, int B, int T, int H, int hd, cudaStream_t stream,
+                        AttentionBackward kind = AttentionBackward::Auto);
 
 // Empty when (T, hd) is supported on the current device, else a one-line reason.
 std::string attention_unsupported_reason(int T, int hd);

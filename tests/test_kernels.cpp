@@ -338,7 +338,9 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
                   Shape{2, 2, 1, 112},
                   // head dims that are multiples of 8 only, run padded to 16 (ViT-g/14's 88 among them)
                   Shape{2, 197, 2, 88}, Shape{1, 50, 3, 40}, Shape{1, 65, 2, 120}, Shape{2, 17, 2, 8},
-                  Shape{1, 257, 1, 72}}) {
+                  Shape{1, 257, 1, 72},
+                  // the single-pass backward's edges: T = 208 (its largest, 13 whole groups), 16, 129
+                  Shape{1, 208, 2, 64}, Shape{2, 16, 1, 32}, Shape{2, 129, 1, 80}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {
@@ -358,22 +360,32 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
     attention_forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0);
     CHECK(rel_error(to_f64(out.download()), out_ref) < 1e-2);
     CHECK(rel_error(to_f64(lse.download()), lse_ref) < 1e-4);
-    attention_backward(dqkv_in.get(), out.get(), ddout.get(), lse.get(), delta.get(), dqkv.get(), s.B, s.T, s.H, s.hd, 0);
-    const auto got = to_f64(dqkv.download());
-    // dQ, dK, dV separately: each is bf16 products of bf16-rounded P and dS. dQ and dK also
-    // carry delta = rowsum(dO * O) taken from the bf16 output (as FlashAttention does); where a
-    // row has very few keys, dS = P (dP - delta) is a difference of near-equal terms and that
-    // rounding weighs more (2.03e-2 seen once at T = 2, against ~5e-3 at ViT lengths).
-    const double tol = s.T < 8 ? 4e-2 : 2e-2;
-    for (int part = 0; part < 3; ++part) {
-      std::vector<double> a, b;
-      for (size_t r = 0; r < rows; ++r)
-        for (int c = 0; c < D; ++c) {
-          a.push_back(got[r * 3 * D + part * D + c]);
-          b.push_back(dqkv_ref[r * 3 * D + part * D + c]);
-        }
-      CAPTURE(part);
-      CHECK(rel_error(a, b) < tol);
+    // Both backward paths where the single pass applies (the streamed one everywhere).
+    std::vector<AttentionBackward> kinds = {AttentionBackward::Streamed};
+    const bool single = attention_single_pass_supported(s.T, s.hd);
+    CHECK(single == (s.T <= 208 && (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 80)));
+    if (single) kinds.push_back(AttentionBackward::SinglePass);
+    for (const AttentionBackward kind : kinds) {
+      CAPTURE(static_cast<int>(kind));
+      dqkv.poison();
+      attention_backward(dqkv_in.get(), out.get(), ddout.get(), lse.get(), delta.get(), dqkv.get(), s.B, s.T, s.H, s.hd,
+                         0, kind);
+      const auto got = to_f64(dqkv.download());
+      // dQ, dK, dV separately: each is bf16 products of bf16-rounded P and dS. dQ and dK also
+      // carry delta = rowsum(dO * O) taken from the bf16 output (as FlashAttention does); where a
+      // row has very few keys, dS = P (dP - delta) is a difference of near-equal terms and that
+      // rounding weighs more (2.03e-2 seen once at T = 2, against ~5e-3 at ViT lengths).
+      const double tol = s.T < 8 ? 4e-2 : 2e-2;
+      for (int part = 0; part < 3; ++part) {
+        std::vector<double> a, b;
+        for (size_t r = 0; r < rows; ++r)
+          for (int c = 0; c < D; ++c) {
+            a.push_back(got[r * 3 * D + part * D + c]);
+            b.push_back(dqkv_ref[r * 3 * D + part * D + c]);
+          }
+        CAPTURE(part);
+        CHECK(rel_error(a, b) < tol);
+      }
     }
   }
 }

@@ -2,6 +2,8 @@
 // forward, backward and both, CUDA events, median of 20 after 5 untimed. FLOPs as
 // FlashAttention counts them: forward 4 B H T^2 hd, backward 2.5x that (the score recompute
 // included); tools/attention_bench.py measures PyTorch's cuDNN and flash backends the same way.
+// The backward is the default (the single pass where it applies; then the streamed kernels are
+// timed on a line of their own).
 // Usage: attention_rate [B H T HD ...]   (default: ViT-H/16 at batch 64, ViT-L/16 at 384 px,
 //                                       ViT-B/16, ViT-S/16 at batch 256)
 #include <cuda_bf16.h>
@@ -66,6 +68,12 @@ int main(int argc, char** argv) {
       std::printf("%-22s %10.3f %10.3f %10.3f %12.1f %12.1f\n", name, f, b, both, flop / (f * 1e-3) / 1e12,
                   3.5 * flop / (both * 1e-3) / 1e12);
       std::printf("RESULT attention shape=%d,%d,%d,%d fwd_ms=%.4f bwd_ms=%.4f both_ms=%.4f\n", B, H, T, hd, f, b, both);
+      if (attention_single_pass_supported(T, hd)) {  // the line above ran the single pass: the other path too
+        const double bs = median_event_ms(
+            [&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0, AttentionBackward::Streamed); });
+        std::printf("%-22s %10s %10.3f %10s   (streamed backward)\n", name, "", bs, "");
+        std::printf("RESULT attention_streamed shape=%d,%d,%d,%d bwd_ms=%.4f\n", B, H, T, hd, bs);
+      }
       for (void* p : {static_cast<void*>(tmp), static_cast<void*>(qkv), static_cast<void*>(dqkv), static_cast<void*>(out),
                       static_cast<void*>(dout), static_cast<void*>(lse), static_cast<void*>(delta)})
         CUDA_CHECK(cudaFree(p));
