@@ -21,8 +21,9 @@ void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse,
 
 // The backward's kernels. Streamed: dK/dV over key tiles and dQ over query tiles, each
 // recomputing the scores, any T. SinglePass: one block per (image, head) holding K, Q and dO in
-// shared memory, dS kept there for dQ (five products instead of seven), for T <= 208 and hd 16,
-// 32, 64 or 80 (attention_single_pass_supported). Auto: SinglePass where supported.
+// shared memory, dS kept there for dQ (five products instead of seven), for T <= 96 and hd 16,
+// 32, 64 or 80 (attention_single_pass_supported), where it is the faster. Auto: SinglePass where
+// supported.
 enum class AttentionBackward { Auto, Streamed, SinglePass };
 bool attention_single_pass_supported(int T, int hd);
 

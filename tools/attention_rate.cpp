@@ -2,8 +2,8 @@
 // forward, backward and both, CUDA events, median of 20 after 5 untimed. FLOPs as
 // FlashAttention counts them: forward 4 B H T^2 hd, backward 2.5x that (the score recompute
 // included); tools/attention_bench.py measures PyTorch's cuDNN and flash backends the same way.
-// The backward is the default (the single pass where it applies; then the streamed kernels are
-// timed on a line of their own).
+// The backward is the default choice; where the single pass applies, both paths are also timed
+// on lines of their own.
 // Usage: attention_rate [B H T HD ...]   (default: ViT-H/16 at batch 64, ViT-L/16 at 384 px,
 //                                       ViT-B/16, ViT-S/16 at batch 256)
 #include <cuda_bf16.h>
@@ -68,11 +68,14 @@ int main(int argc, char** argv) {
       std::printf("%-22s %10.3f %10.3f %10.3f %12.1f %12.1f\n", name, f, b, both, flop / (f * 1e-3) / 1e12,
                   3.5 * flop / (both * 1e-3) / 1e12);
       std::printf("RESULT attention shape=%d,%d,%d,%d fwd_ms=%.4f bwd_ms=%.4f both_ms=%.4f\n", B, H, T, hd, f, b, both);
-      if (attention_single_pass_supported(T, hd)) {  // the line above ran the single pass: the other path too
-        const double bs = median_event_ms(
-            [&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0, AttentionBackward::Streamed); });
-        std::printf("%-22s %10s %10.3f %10s   (streamed backward)\n", name, "", bs, "");
-        std::printf("RESULT attention_streamed shape=%d,%d,%d,%d bwd_ms=%.4f\n", B, H, T, hd, bs);
+      if (attention_single_pass_supported(T, hd)) {  // both backward paths, whichever the default took
+        for (const auto& [kind, label] : {std::pair{AttentionBackward::Streamed, "streamed"},
+                                          std::pair{AttentionBackward::SinglePass, "single_pass"}}) {
+          const double ms =
+              median_event_ms([&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0, kind); });
+          std::printf("%-22s %10s %10.3f %10s   (%s backward)\n", name, "", ms, "", label);
+          std::printf("RESULT attention_%s shape=%d,%d,%d,%d bwd_ms=%.4f\n", label, B, H, T, hd, ms);
+        }
       }
       for (void* p : {static_cast<void*>(tmp), static_cast<void*>(qkv), static_cast<void*>(dqkv), static_cast<void*>(out),
                       static_cast<void*>(dout), static_cast<void*>(lse), static_cast<void*>(delta)})
