@@ -3,7 +3,8 @@
 #   1. ./vit_tests (the CPU tier and the GPU tier, the multi-GPU tests included)
 #   2. ViT-H/16 at batch 64 per GPU in bf16 and fp8 on 1, 2, 4, ... GPUs up to N (--gpus K),
 #      each run checking that every rank ends with the same weights (the trainer compares the
-#      ranks' checksums and prints "identical on all K ranks")
+#      ranks' checksums and prints "identical on all K ranks"); on N GPUs also with
+#      --allreduce nccl (the default between GPUs of one process is the copy-engine exchange)
 #   3. PyTorch DDP (timm's model, bf16 autocast, batch on the GPU) on N GPUs, and eager on 1
 #   4. a failure injected into the last rank at step 5 of an N-GPU run: the run must stop with
 #      exit 1 and a message naming that rank, within 60 s
@@ -54,6 +55,15 @@ for p in $PRECISIONS; do
   done
 done
 
+for p in $PRECISIONS; do
+  log="$LOG_DIR/engine_${p}_${N}_nccl.log"
+  echo "== engine $p on $N GPUs, --allreduce nccl"
+  # shellcheck disable=SC2086
+  ./vit_train --batch 64 --precision "$p" --gpus "$N" --steps $((STEPS + WARMUP)) --warmup "$WARMUP" --allreduce nccl \
+    ${ENGINE_FLAGS:-} > "$log" 2>&1 || status=1
+  grep -E "^RESULT|identical on all" "$log"
+done
+
 echo "== PyTorch eager, 1 GPU"
 python3 tools/pytorch_baseline.py --batch 64 --steps "$STEPS" --warmup "$WARMUP" > "$LOG_DIR/pytorch_1.log" 2>&1 ||
   status=1
@@ -78,7 +88,7 @@ fi
 ddp=$(field "$LOG_DIR/pytorch_$N.log" pytorch_ddp step_ms)
 printf "\n== ViT-H/16, batch 64 per GPU, median of %d steps after %d warm-up (PyTorch DDP on %d GPUs: %s ms)\n" \
   "$STEPS" "$WARMUP" "$N" "$ddp"
-printf "%-8s %5s %10s %14s %9s %14s\n" "" "GPUs" "step ms" "images/s" "scaling" "vs DDP (step)"
+printf "%-9s %5s %10s %14s %9s %14s\n" "" "GPUs" "step ms" "images/s" "scaling" "vs DDP (step)"
 for p in $PRECISIONS; do
   one=$(field "$LOG_DIR/engine_${p}_1.log" engine step_ms)
   for k in $counts; do
@@ -86,7 +96,12 @@ for p in $PRECISIONS; do
     img=$(field "$LOG_DIR/engine_${p}_$k.log" engine img_s)
     scale=$(awk -v a="$one" -v b="$ms" 'BEGIN { if (a == "-" || b == "-") print "-"; else printf "%.3f", a / b }')
     vs=$(awk -v a="$ms" -v b="$ddp" -v k="$k" -v n="$N" 'BEGIN { if (k != n || a == "-" || b == "-") print ""; else printf "%.3fx", a / b }')
-    printf "%-8s %5d %10s %14s %9s %14s\n" "$p" "$k" "$ms" "$img" "$scale" "$vs"
+    printf "%-9s %5d %10s %14s %9s %14s\n" "$p" "$k" "$ms" "$img" "$scale" "$vs"
   done
+  ms=$(field "$LOG_DIR/engine_${p}_${N}_nccl.log" engine step_ms)
+  scale=$(awk -v a="$one" -v b="$ms" 'BEGIN { if (a == "-" || b == "-") print "-"; else printf "%.3f", a / b }')
+  vs=$(awk -v a="$ms" -v b="$ddp" 'BEGIN { if (a == "-" || b == "-") print ""; else printf "%.3fx", a / b }')
+  printf "%-9s %5d %10s %14s %9s %14s\n" "$p nccl" "$N" "$ms" "$(field "$LOG_DIR/engine_${p}_${N}_nccl.log" engine img_s)" \
+    "$scale" "$vs"
 done
 exit $status
