@@ -853,9 +853,9 @@ __global__ void __launch_bounds__(kThreads, Tuning<HD>::kDqMinBlocks)
 // shared memory. Five products where the two-kernel path needs seven, delta = rowsum(dO * O)
 // computed in the block (no delta kernel), every input read once. Padding keys get P^T = 0
 // explicitly (their dS feeds dQ), padding queries through lse = +inf. Measured against the
-// streamed kernels (BENCHMARKS.md, 21): 25-30% faster at T 50-65, 7% at T 100 (hd 64); slower
-// from T ~100 at hd 80 and T 129 at hd 64 (a version for T <= 208, thirteen warps at 128
-// registers, was 27% slower at ViT-H's 197), hence the bound.
+// streamed kernels (BENCHMARKS.md, 21): the backward 25-46% faster at T 50-96 (hd 32, 64, 80);
+// a version for T <= 208 (thirteen warps at 128 registers, one block an SM) was 27% slower at
+// ViT-H's 197, hence the bound.
 constexpr int kSingleMaxT = 96;
 constexpr int kSingleMaxWarps = kSingleMaxT / 16;
 constexpr int kSingleThreads = kSingleMaxWarps * 32;
@@ -967,14 +967,14 @@ __global__ void __launch_bounds__(kSingleThreads, kSingleMinBlocks)
   // Two 16-query groups a step (one in the last step when the group count is odd): two
   // independent product chains per warp.
   constexpr int kStep = 2;
-  const auto step = [&](int q0, int groups, auto full) {
+  const auto step = [&](int q0, int step_groups, auto full) {
     constexpr bool kFull = decltype(full)::value;
     float s[2 * kStep][4] = {};
-    mma_rows_bt<HD, kStep, kFull>(s, k_frag, tile_q, 0, q0, groups, off_bt);
+    mma_rows_bt<HD, kStep, kFull>(s, k_frag, tile_q, 0, q0, step_groups, off_bt);
     // P^T = exp(scale S^T - lse[query]); columns 2t, 2t+1 of n-tile n are queries q0 + 8n + 2t, +1.
 #pragma unroll
     for (int n = 0; n < 2 * kStep; ++n) {
-      if (!kFull && n >= 2 * groups) break;  // past R: nothing of lse to read
+      if (!kFull && n >= 2 * step_groups) break;  // past R: nothing of lse to read
       const float2 l2 = *reinterpret_cast<const float2*>(lse_s + q0 + n * 8 + 2 * t);
       const float nl0 = -l2.x * kLog2e, nl1 = -l2.y * kLog2e;
       s[n][0] = lo_key ? exp2_approx(fmaf(s[n][0], scale_log2, nl0)) : 0.0f;
@@ -982,12 +982,12 @@ __global__ void __launch_bounds__(kSingleThreads, kSingleMinBlocks)
       s[n][2] = hi_key ? exp2_approx(fmaf(s[n][2], scale_log2, nl0)) : 0.0f;
       s[n][3] = hi_key ? exp2_approx(fmaf(s[n][3], scale_log2, nl1)) : 0.0f;
     }
-    mma_acc_b<HD, kStep, kFull>(dv, s, tile_do, 0, q0, groups, off_a);  // dV += P^T dO
+    mma_acc_b<HD, kStep, kFull>(dv, s, tile_do, 0, q0, step_groups, off_a);  // dV += P^T dO
     float dp[2 * kStep][4] = {};
-    mma_rows_bt<HD, kStep, kFull>(dp, v_frag, tile_do, 0, q0, groups, off_bt);  // dP^T = V dO^T
+    mma_rows_bt<HD, kStep, kFull>(dp, v_frag, tile_do, 0, q0, step_groups, off_bt);  // dP^T = V dO^T
 #pragma unroll
     for (int n = 0; n < 2 * kStep; ++n) {  // dS^T = P^T (dP^T - delta[query]), into shared memory
-      if (kFull || n < 2 * groups) {
+      if (kFull || n < 2 * step_groups) {
         const float2 d2 = *reinterpret_cast<const float2*>(delta_s + q0 + n * 8 + 2 * t);
         dp[n][0] = s[n][0] * (dp[n][0] - d2.x);
         dp[n][1] = s[n][1] * (dp[n][1] - d2.y);
@@ -1000,7 +1000,7 @@ __global__ void __launch_bounds__(kSingleThreads, kSingleMinBlocks)
                      : "memory");
       }
     }
-    mma_acc_b<HD, kStep, kFull>(dk, dp, tile_q, 0, q0, groups, off_a);  // dK += dS^T Q
+    mma_acc_b<HD, kStep, kFull>(dk, dp, tile_q, 0, q0, step_groups, off_a);  // dK += dS^T Q
   };
   constexpr int kStepRows = 16 * kStep;
   static_assert(kFirstQueries % kStepRows == 0, "the second load group starts at a step");
@@ -1014,9 +1014,11 @@ __global__ void __launch_bounds__(kSingleThreads, kSingleMinBlocks)
     }
   };
   steps(0, first);
-  cp_async_wait<0>();  // the rest of Q and dO
-  __syncthreads();
-  steps(first, R);
+  if (first < R) {  // the rest of Q and dO (block-uniform)
+    cp_async_wait<0>();
+    __syncthreads();
+    steps(first, R);
+  }
   __syncthreads();  // dS^T complete; Q and dO free for staging
 
   const int rows = min(16, T - row0);

@@ -20,8 +20,8 @@ void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse,
                        int H, int hd, cudaStream_t stream);
 
 // The backward's kernels. Streamed: dK/dV over key tiles and dQ over query tiles, each
-// recomputing the scores, any T. SinglePass: one block per (image, head) holding K, Q and dO in
-// shared memory, dS kept there for dQ (five products instead of seven), for T <= 96 and hd 16,
+// recomputing the scores, any T. SinglePass: one block per (image, head) holding K, V, Q and dO
+// in shared memory, dS kept there for dQ (five products instead of seven), for T <= 96 and hd 16,
 // 32, 64 or 80 (attention_single_pass_supported), where it is the faster. Auto: SinglePass where
 // supported.
 enum class AttentionBackward { Auto, Streamed, SinglePass };

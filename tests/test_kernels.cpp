@@ -340,8 +340,10 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
                   Shape{2, 197, 2, 88}, Shape{1, 50, 3, 40}, Shape{1, 65, 2, 120}, Shape{2, 17, 2, 8},
                   Shape{1, 257, 1, 72},
                   // the single-pass backward's edges: T = 96 (its largest, 6 whole groups), 16 (one
-                  // group), 81 (an odd group count), 97 (the first T past it)
-                  Shape{1, 96, 2, 64}, Shape{2, 16, 1, 32}, Shape{2, 81, 1, 80}, Shape{1, 97, 1, 16}}) {
+                  // group), 81 (6 groups, the last partly padding), 65 (5: a one-group step after
+                  // the second load group), 33 (3: a one-group step at 32), 1, and 97 (the first T past it)
+                  Shape{1, 96, 2, 64}, Shape{2, 16, 1, 32}, Shape{2, 81, 1, 80}, Shape{2, 65, 1, 64},
+                  Shape{1, 33, 1, 80}, Shape{2, 1, 2, 64}, Shape{1, 97, 1, 16}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {
