@@ -379,15 +379,26 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
       // row has very few keys, dS = P (dP - delta) is a difference of near-equal terms and that
       // rounding weighs more (2.03e-2 seen once at T = 2, against ~5e-3 at ViT lengths).
       const double tol = s.T < 8 ? 4e-2 : 2e-2;
-      for (int part = 0; part < 3; ++part) {
-        std::vector<double> a, b;
+      std::vector<double> a[3], b[3];  // dQ, dK, dV
+      for (int part = 0; part < 3; ++part)
         for (size_t r = 0; r < rows; ++r)
           for (int c = 0; c < D; ++c) {
-            a.push_back(got[r * 3 * D + part * D + c]);
-            b.push_back(dqkv_ref[r * 3 * D + part * D + c]);
+            a[part].push_back(got[r * 3 * D + part * D + c]);
+            b[part].push_back(dqkv_ref[r * 3 * D + part * D + c]);
           }
+      for (int part = 0; part < 3; ++part) {
         CAPTURE(part);
-        CHECK(rel_error(a, b) < tol);
+        if (s.T == 1 && part < 2) {
+          // One key: P = 1 and dS = dP - delta = 0 exactly, so dQ and dK are zero and only the
+          // rounding of delta is left: small against dV's scale (a relative error means nothing).
+          double err = 0, dv = 0;
+          for (size_t i = 0; i < a[part].size(); ++i) err += (a[part][i] - b[part][i]) * (a[part][i] - b[part][i]);
+          for (double x : b[2]) dv += x * x;
+          CHECK(std::isfinite(err));
+          CHECK(std::sqrt(err) < tol * std::sqrt(dv));
+        } else {
+          CHECK(rel_error(a[part], b[part]) < tol);
+        }
       }
     }
   }
