@@ -55,6 +55,8 @@ std::string usage() {
              "  --comm-ctas N          NCCL uses at most N thread blocks (SMs), leaving the rest to the backward\n"
              "                         it overlaps (default 0: NCCL's choice)\n"
              "  --precision P          bf16 (default) or fp8 (the blocks' Linear layers in FP8, all three GEMMs)\n"
+             "  --attention A          the attention backward: auto (default: single-pass where it applies),\n"
+             "                         single-pass (T <= 96, head dim 16/32/64/80) or streamed (any shape)\n"
              "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
              "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
              "  --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)\n"
@@ -138,6 +140,11 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--precision", [&](const std::string&, const std::string& v) {
          if (v != "bf16" && v != "fp8") bad("unknown precision '" + v + "'; choose bf16 or fp8");
          o.precision = v;
+       }},
+      {"--attention", [&](const std::string& f, const std::string& v) {
+         if (v != "auto" && v != "single-pass" && v != "streamed")
+           bad("unknown " + f + " '" + v + "'; choose auto, single-pass or streamed");
+         o.attention = v;
        }},
       {"--fp8-recipe", [&](const std::string& f, const std::string& v) {
          if (v != "delayed" && v != "current") bad("unknown " + f + " '" + v + "'; choose delayed or current");

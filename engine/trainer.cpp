@@ -88,6 +88,10 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   const ViTConfig& cfg = opts_.model;
   const std::string why = attention_unsupported_reason(cfg.tokens(), cfg.head_dim());
   if (!why.empty()) throw UsageError("this model's attention shape is not supported: " + why);
+  if (opts_.attention == "single-pass" && !attention_single_pass_supported(cfg.tokens(), cfg.head_dim()))
+    throw UsageError("--attention single-pass takes at most 96 tokens and head dim 16, 32, 64 or 80; this model has " +
+                     std::to_string(cfg.tokens()) + " tokens and head dim " + std::to_string(cfg.head_dim()) +
+                     " (use --attention auto or streamed)");
   const Precision precision = opts_.precision == "fp8" ? Precision::FP8 : Precision::BF16;
   if (precision == Precision::FP8) {
     const std::string fp8_why = ViT::fp8_unsupported_reason(cfg, opts_.batch);
@@ -188,6 +192,9 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     CUDA_CHECK(cudaMalloc(&norm_partial_, l2_norm_partial_floats() * sizeof(float)));
   }
   model_->set_label_smoothing(static_cast<float>(opts_.label_smoothing));
+  model_->set_attention_backward(opts_.attention == "single-pass" ? AttentionBackward::SinglePass
+                                 : opts_.attention == "streamed"  ? AttentionBackward::Streamed
+                                                                  : AttentionBackward::Auto);
   CUDA_CHECK(cudaMalloc(&checksums_, ctx_.world * sizeof(unsigned long long)));
   if (ctx_.comm) {
     if (staging && window) {
@@ -324,6 +331,10 @@ void Trainer::print_summary() const {
   else
     std::printf("  precision   bf16: bf16 GEMMs and attention with fp32 accumulation; fp32 LayerNorm, softmax, loss,\n"
                 "              residual stream, master weights, gradients and momentum\n");
+  const bool single_pass =
+      opts_.attention != "streamed" && attention_single_pass_supported(cfg.tokens(), cfg.head_dim());
+  std::printf("  attention   fused, %s backward (--attention %s)\n",
+              single_pass ? "single-pass" : "streamed", opts_.attention.c_str());
   if (train_loader_)
     std::printf("  data        %s: %d training images (%d batches an epoch, shuffled), %d test\n",
                 data_summary_.c_str(), train_count_, train_loader_->batches_per_epoch(), test_count_);

@@ -468,7 +468,8 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
     gemm.linear_backward_weight(dresid_bf16_, a.attn, g(L[kProj].w), g(L[kProj].b), M_, D, D, st);
     gemm.linear_backward_input(dresid_bf16_, pb(L[kProj].w), dattn_, M_, D, D, st); }
   { auto t = timer.op(OpKind::Attention, st);
-    attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
+    attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st,
+                       attention_backward_); }
   { auto t = timer.op(OpKind::Gemm, st);
     gemm.linear_backward_weight(dqkv_, a.ln1, g(L[kQkv].w), g(L[kQkv].b), M_, 3 * D, D, st);
     gemm.linear_backward_input(dqkv_, pb(L[kQkv].w), dln_, M_, 3 * D, D, st); }
@@ -516,7 +517,8 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer)
     fp8_weight_grad(gemm, l, kProj, dy8t_[0], x8_, st);
     fp8_input_grad(gemm, l, kProj, dy8_[0], dattn_, st); }
   { auto t = timer.op(OpKind::Attention, st);
-    attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
+    attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st,
+                       attention_backward_); }
   output_grad(kQkv, dqkv_, 3 * D);
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_apply_fp8(resid(2 * l), D, p(w.norm1_w), p(w.norm1_b), a.ln1_mean, a.ln1_rstd, M_, D,

@@ -107,6 +107,10 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(!parse({}).nccl_window);
   CHECK(parse({"--nccl-window", "on"}).nccl_window);
   CHECK(usage_error({"--nccl-window", "yes"}).find("unknown --nccl-window 'yes'") != std::string::npos);
+  CHECK(parse({}).attention == "auto");
+  CHECK(parse({"--attention", "streamed"}).attention == "streamed");
+  CHECK(usage_error({"--attention", "cudnn"}).find("unknown --attention 'cudnn'; choose auto, single-pass or streamed") !=
+        std::string::npos);
   CHECK(parse({}).allreduce == "auto");
   CHECK(parse({"--allreduce", "copy-engine"}).allreduce == "copy-engine");
   CHECK(parse({"--allreduce", "nccl", "--nccl-window", "on"}).allreduce == "nccl");

@@ -209,6 +209,23 @@ void check_same_losses(const std::vector<double>& a, const std::vector<double>& 
 }
 }  // namespace
 
+TEST_CASE("gpu: --attention single-pass and streamed train alike; single-pass is refused where it does not apply") {
+  SKIP_WITHOUT_GPU();
+  const Run streamed = shell(kSmall + " --attention streamed");
+  const Run single = shell(kSmall + " --attention single-pass");  // 17 tokens, head dim 16
+  CAPTURE(streamed.out);
+  CAPTURE(single.out);
+  REQUIRE(streamed.code == 0);
+  REQUIRE(single.code == 0);
+  CHECK(streamed.out.find("streamed backward (--attention streamed)") != std::string::npos);
+  CHECK(single.out.find("single-pass backward (--attention single-pass)") != std::string::npos);
+  check_same_losses(losses(streamed.out), losses(single.out));  // the same sums in other orders
+  const Run too_long = shell(kSmall + " --img 96 --attention single-pass");  // 145 tokens
+  CAPTURE(too_long.out);
+  CHECK(too_long.code == 2);
+  CHECK(too_long.out.find("--attention single-pass takes at most 96 tokens") != std::string::npos);
+}
+
 TEST_CASE("gpu: the data-parallel machinery on one rank trains exactly like the plain path; a failure stops it") {
   SKIP_WITHOUT_GPU();
   for (const char* precision : {"bf16", "fp8"}) {
