@@ -159,7 +159,6 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
   if (peers) {
     CUDA_CHECK(cudaStreamCreateWithFlags(&push_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&sum_stream_, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     self_ = &peers->join(comm.rank(), grads, slot_floats_, static_cast<int>(buckets_.size()), comm);
   }
 }
@@ -169,7 +168,6 @@ GradSync::~GradSync() {
   for (Bucket& b : buckets_)
     for (cudaEvent_t e : {b.start, b.stop, b.sum_start, b.sum_stop})
       if (e) cudaEventDestroy(e);
-  if (ready_) cudaEventDestroy(ready_);
   if (push_stream_) cudaStreamDestroy(push_stream_);
   if (sum_stream_) cudaStreamDestroy(sum_stream_);
 }
@@ -282,14 +280,7 @@ void GradSync::launch_from(size_t offset) {
   bool ordered = false;
   for (Bucket& b : buckets_) {
     if (b.launched || b.begin < offset) continue;
-    if (!ordered) {  // the gradients so far are on the compute stream
-      if (peers_) {
-        CUDA_CHECK(cudaEventRecord(ready_, compute_));
-        CUDA_CHECK(cudaStreamWaitEvent(push_stream_, ready_, 0));
-      } else {
-        comm_.order(compute_, comm_.stream());
-      }
-    }
+    if (!ordered) comm_.order(compute_, peers_ ? push_stream_ : comm_.stream());  // the gradients so far
     ordered = true;
     launch(b);
   }

@@ -137,11 +137,10 @@ class GradSync {
   std::string window_failure_;
   std::vector<Bucket> buckets_;  // from the end of the buffer to its start
   // Copy engines: the group, this rank's side of it, the two streams (pushes; sums and pushes
-  // back, which wait on the peers), the event that orders the compute stream before a push.
+  // back, which wait on the peers).
   PeerGroup* peers_ = nullptr;
   const PeerGroup::Member* self_ = nullptr;
   cudaStream_t push_stream_ = nullptr, sum_stream_ = nullptr;
-  cudaEvent_t ready_ = nullptr;
   size_t slot_floats_ = 0;  // a receive slot: every bucket's share
   size_t next_sum_ = 0;     // the first bucket not summed yet
   long step_ = 0;

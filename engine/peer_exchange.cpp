@@ -42,27 +42,23 @@ long& PeerGroup::published(int rank, Stage stage, int bucket) {
 
 const PeerGroup::Member& PeerGroup::join(int rank, float* grads, size_t slot_floats, int buckets, Comm& comm) {
   ENSURE(rank >= 0 && rank < ranks_ && buckets > 0, "PeerGroup::join: bad rank or no bucket");
-  Member mine;
-  CUDA_CHECK(cudaGetDevice(&mine.device));
-  mine.grads = grads;
+  int device = -1;
+  CUDA_CHECK(cudaGetDevice(&device));
   {
-    std::lock_guard<std::mutex> lock(mutex_);  // filled in under the lock: the destructor frees what is there
+    std::unique_lock<std::mutex> lock(mutex_);  // filled in under the lock: the destructor frees what is there
+    if (buckets_ < 0) {
+      buckets_ = buckets;
+      published_.assign(static_cast<size_t>(ranks_) * 2 * buckets_, -1);
+    }
+    ENSURE(buckets == buckets_, "PeerGroup::join: the ranks cut different buckets");
     Member& m = members_[rank];
-    m.device = mine.device;
+    m.device = device;
     m.grads = grads;
     CUDA_CHECK(cudaMalloc(&m.receive, std::max<size_t>(1, slot_floats * (ranks_ - 1)) * sizeof(float)));
     for (auto& stage : m.events) {
       stage.assign(buckets, nullptr);
       for (cudaEvent_t& e : stage) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
-  }
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (buckets_ < 0) {
-      buckets_ = buckets;
-      published_.assign(static_cast<size_t>(ranks_) * 2 * buckets_, -1);
-    }
-    ENSURE(buckets == buckets_, "PeerGroup::join: the ranks cut different buckets");
     ++joined_;
     changed_.notify_all();
     while (joined_ < ranks_) {
@@ -71,7 +67,7 @@ const PeerGroup::Member& PeerGroup::join(int rank, float* grads, size_t slot_flo
     }
   }
   for (int p = 0; p < ranks_; ++p) {
-    if (members_[p].device == mine.device) continue;
+    if (members_[p].device == device) continue;
     const cudaError_t e = cudaDeviceEnablePeerAccess(members_[p].device, 0);
     if (e == cudaErrorPeerAccessAlreadyEnabled) {
       cudaGetLastError();  // another rank's trainer in this process enabled it before: fine

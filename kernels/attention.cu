@@ -1170,11 +1170,19 @@ void attention_forward(const bf16* qkv, bf16* out, float* lse, int B, int T, int
   });
 }
 
+namespace {
+// The single pass's own bounds, for a shape the streamed kernels support on device dev.
+bool single_pass_fits(int T, int hd, int dev) {
+  return single_pass_hd(hd) && T <= kSingleMaxT &&
+         single_pass_smem_bytes(hd, (T + 15) / 16 * 16) <= device_info(dev).smem_optin;
+}
+}  // namespace
+
 bool attention_single_pass_supported(int T, int hd) {
-  if (!single_pass_hd(hd) || T < 1 || T > kSingleMaxT || !attention_unsupported_reason(T, hd).empty()) return false;
+  if (!attention_unsupported_reason(T, hd).empty()) return false;
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
-  return single_pass_smem_bytes(hd, (T + 15) / 16 * 16) <= device_info(dev).smem_optin;
+  return single_pass_fits(T, hd, dev);
 }
 
 void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse,
@@ -1186,7 +1194,7 @@ void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, cons
          "attention_backward: qkv/out/dout/dqkv must be 16-byte aligned");
   NvtxRange range("attention_backward");
 
-  const bool single = attention_single_pass_supported(T, hd);
+  const bool single = single_pass_fits(T, hd, dev);  // require_shape checked the rest
   ENSURE(single || kind != AttentionBackward::SinglePass,
          "attention_backward: the single-pass kernel takes T <= 96 and hd 16, 32, 64 or 80");
   if (single && kind != AttentionBackward::Streamed) {

@@ -198,6 +198,13 @@ std::vector<double> losses(const std::string& out) {
 const std::string kSmall = "./vit_train --img 32 --patch 8 --channels 3 --classes 10 --dim 64 --depth 2 --heads 4 "
                            "--lr 0.05 --steps 10 --warmup 2 --log-every 1 --bucket-mb 1";
 
+// The 16 hex digits of the run's "weights: checksum" line (empty without one).
+std::string weights_checksum(const std::string& out) {
+  const std::string key = "weights: checksum ";
+  const size_t at = out.find(key);
+  return at == std::string::npos ? std::string() : out.substr(at + key.size(), 16);
+}
+
 void check_same_losses(const std::vector<double>& a, const std::vector<double>& b) {
   REQUIRE(a.size() == 10);
   REQUIRE(b.size() == 10);
@@ -240,9 +247,8 @@ TEST_CASE("gpu: the data-parallel machinery on one rank trains exactly like the 
     REQUIRE(dp.code == 0);
     CHECK(dp.out.find("1 GPUs of one process") != std::string::npos);
     CHECK(losses(plain.out) == losses(dp.out));  // an average over one rank changes nothing
-    const std::string checksum = "weights: checksum ";
-    REQUIRE(plain.out.find(checksum) != std::string::npos);
-    CHECK(plain.out.substr(plain.out.find(checksum), 34) == dp.out.substr(dp.out.find(checksum), 34));
+    REQUIRE(!weights_checksum(plain.out).empty());
+    CHECK(weights_checksum(plain.out) == weights_checksum(dp.out));
   }
   const Run failed = shell("VIT_TRAIN_DATA_PARALLEL=1 VIT_TRAIN_TEST_FAIL=0:3 " + kSmall);
   CAPTURE(failed.out);
@@ -284,9 +290,8 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
     REQUIRE(after.code == 0);
     CHECK(losses(after.out) == losses(two.out));
     CHECK(after.out.find("after the backward") != std::string::npos);
-    const std::string checksum = "weights: checksum ";
-    REQUIRE(after.out.find(checksum) != std::string::npos);
-    CHECK(after.out.substr(after.out.find(checksum), 34) == two.out.substr(two.out.find(checksum), 34));
+    REQUIRE(!weights_checksum(after.out).empty());
+    CHECK(weights_checksum(after.out) == weights_checksum(two.out));
     // The default on one machine is the copy-engine exchange; NCCL's all-reduce, in plain memory
     // and in its registered window, must give the same sums (two ranks: a + b either way).
     CHECK(two.out.find("through the copy engines") != std::string::npos);
@@ -299,8 +304,8 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
       CHECK(other.out.find("over NCCL") != std::string::npos);
       CHECK((other.out.find("in a registered NCCL window") != std::string::npos) == (std::string(nccl) == "--nccl-window on"));
       CHECK(losses(other.out) == losses(two.out));
-      REQUIRE(other.out.find(checksum) != std::string::npos);
-      CHECK(other.out.substr(other.out.find(checksum), 34) == two.out.substr(two.out.find(checksum), 34));
+      REQUIRE(!weights_checksum(other.out).empty());
+      CHECK(weights_checksum(other.out) == weights_checksum(two.out));
     }
   }
 }
