@@ -20,3 +20,17 @@ struct SgdHyper {
 void sgd_momentum_step(float* params, float* momentum, const float* grads, __nv_bfloat16* params_bf16,
                        size_t n, SgdHyper h, bool first_step, cudaStream_t stream, const int* skip = nullptr,
                        const float* grad_norm = nullptr);
+
+// One rank's share of a sharded step (--shard-optimizer): the gradient is grads[i] plus what the
+// peers sent, received[0 * stride + i] + received[1 * stride + i] + ... added in that order (as
+// sum_into adds them, so the update has the replicated step's bits), and the new bf16 weights go
+// to every copy in bf16_copies: this GPU's and, over NVLink, each peer's (peer access enabled).
+// No clipping. The same alignment rules as above, stride % 4 == 0.
+constexpr int kMaxBf16Copies = 8;
+struct Bf16Copies {
+  __nv_bfloat16* at[kMaxBf16Copies];
+  int count;
+};
+void sgd_momentum_shard(float* params, float* momentum, const float* grads, const float* received, size_t stride,
+                        int peers, const Bf16Copies& bf16_copies, size_t n, SgdHyper h, bool first_step,
+                        cudaStream_t stream, const int* skip = nullptr);

@@ -2,6 +2,7 @@
 // outputs poisoned first.
 #include <doctest/doctest.h>
 
+#include <cstring>
 #include <random>
 
 #include "kernels/attention.h"
@@ -296,6 +297,41 @@ TEST_CASE("gpu: SGD with momentum, torch.optim.SGD semantics, two steps") {
     ref::sgd_step(p, buf, clipped, 0.1, 0.9, 0.0, false, true);
     sgd_momentum_step(dp.get(), dbuf.get(), dg.get(), dpb.get(), n, h, true, 0, nullptr, dnorm.get());
     CHECK(rel_error(to_f64(dp.download()), p) < 1e-6);
+  }
+}
+
+TEST_CASE("gpu: the sharded SGD step gives the replicated step's bits and writes every bf16 copy") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const size_t n = 4 * 1234, stride = n + 64;
+  const int peers = 2;
+  for (bool nesterov : {false, true}) {
+    CAPTURE(nesterov);
+    const auto p = to_f32(round_f32(random_vec(rng, n))), buf = to_f32(round_f32(random_vec(rng, n)));
+    const auto g = to_f32(round_f32(random_vec(rng, n))), received = to_f32(round_f32(random_vec(rng, stride * peers)));
+    const SgdHyper h{0.1f, 0.9f, 0.05f, nesterov};
+    // Replicated: the sum first (sum_into), then the step.
+    DeviceBuffer<float> rp(p), rbuf(buf), rg(g), rrecv(received);
+    DeviceBuffer<bf16> rpb(n);
+    sum_into(rg.get(), rrecv.get(), stride, peers, n, 0);
+    sgd_momentum_step(rp.get(), rbuf.get(), rg.get(), rpb.get(), n, h, false, 0);
+    // Sharded: the sum inside the step, three bf16 copies (poisoned first).
+    DeviceBuffer<float> sp(p), sbuf(buf), sg(g), srecv(received);
+    DeviceBuffer<bf16> copy0(n), copy1(n), copy2(n);
+    for (auto* c : {&copy0, &copy1, &copy2}) c->poison();
+    Bf16Copies copies{{copy0.get(), copy1.get(), copy2.get()}, 3};
+    sgd_momentum_shard(sp.get(), sbuf.get(), sg.get(), srecv.get(), stride, peers, copies, n, h, false, 0);
+    CHECK(sp.download() == rp.download());
+    CHECK(sbuf.download() == rbuf.download());
+    const auto want = rpb.download();
+    for (auto* c : {&copy0, &copy1, &copy2}) {
+      const auto got = c->download();
+      CHECK(std::memcmp(got.data(), want.data(), n * sizeof(bf16)) == 0);
+    }
+    // The FP8 guard's skip: nothing changes.
+    DeviceBuffer<int> skip(std::vector<int>{1});
+    sgd_momentum_shard(sp.get(), sbuf.get(), sg.get(), srecv.get(), stride, peers, copies, n, h, false, 0, skip.get());
+    CHECK(sp.download() == rp.download());
   }
 }
 
