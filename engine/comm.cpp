@@ -146,7 +146,7 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
   ENSURE(!peers || (dtype == ReduceDType::F32 && !window && peers->ranks() == comm.world()),
          "GradSync: the copy-engine exchange sums fp32 gradients of every rank, outside NCCL's window");
   ENSURE(!shard || (peers && shard->grads == grads && shard->params && shard->momentum && shard->params_bf16 &&
-                    comm.world() <= kMaxBf16Copies),
+                    comm.world() <= kMaxPeerCopies + 1),
          "GradSync: a sharded optimizer needs the copy-engine exchange, the whole state and at most 8 ranks");
   if (window) {
     window_ = dtype == ReduceDType::F32 ? comm.register_window(grads, count * sizeof(float), &window_failure_)
@@ -175,6 +175,7 @@ GradSync::~GradSync() {
   for (Bucket& b : buckets_)
     for (cudaEvent_t e : {b.start, b.stop, b.sum_start, b.sum_stop})
       if (e) cudaEventDestroy(e);
+  cudaFree(fp32_read_);
   if (push_stream_) cudaStreamDestroy(push_stream_);
   if (sum_stream_) cudaStreamDestroy(sum_stream_);
 }
@@ -321,25 +322,59 @@ void GradSync::finish() {
   }
 }
 
+void GradSync::set_fp32_read_ranges(const std::vector<std::pair<size_t, size_t>>& ranges) {
+  if (!sharded_) return;
+  const int me = comm_.rank();
+  std::vector<FloatRange> own;
+  for (const Bucket& b : buckets_) {
+    const size_t lo = share_begin(b, me), hi = share_end(b, me);
+    for (const auto& [offset, count] : ranges) {
+      const size_t begin = std::max(lo, offset), end = std::min(hi, offset + count);
+      if (begin < end) own.push_back({begin, end - begin});
+    }
+  }
+  cudaFree(fp32_read_);
+  fp32_read_ = nullptr;
+  if (!own.empty()) {
+    CUDA_CHECK(cudaMalloc(&fp32_read_, own.size() * sizeof(FloatRange)));
+    CUDA_CHECK(cudaMemcpy(fp32_read_, own.data(), own.size() * sizeof(FloatRange), cudaMemcpyHostToDevice));
+  }
+  fp32_read_count_ = static_cast<int>(own.size());
+}
+
 void GradSync::optimizer_step(const SgdHyper& h, bool first_step, const int* skip) {
-  ENSURE(sharded_, "GradSync::optimizer_step: the optimizer is not sharded");
-  NvtxRange range("sharded optimizer: own shares, bf16 weights written to every rank");
+  ENSURE(sharded_ && fp32_read_count_ >= 0,
+         "GradSync::optimizer_step: the optimizer is not sharded, or the fp32-read ranges were not set");
+  NvtxRange range("sharded optimizer: own shares, bf16 weights copied to every rank");
   const int me = comm_.rank(), world = comm_.world();
   const PeerGroup::State& own = self_->state;
-  for (const Bucket& b : buckets_) {
-    const size_t begin = share_begin(b, me), n = share_end(b, me) - begin;
+  // In the order the next forward reads the weights (the last bucket holds the first ones). Each
+  // share's new bf16 weights travel to the peers through the copy engines while the SMs update
+  // the next share: stores over NVLink from inside the kernel made it 2.5 ms slower (BENCHMARKS.md 22).
+  for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) {
+    const size_t begin = share_begin(*b, me), n = share_end(*b, me) - begin;
     if (n == 0) continue;
-    Bf16Copies copies{};
-    copies.at[copies.count++] = own.params_bf16 + begin;
-    for (int p = 0; p < world; ++p)
-      if (p != me) copies.at[copies.count++] = peers_->member(p).state.params_bf16 + begin;
     // The peers' copies of this share sit in the receive slots in their rank order, as sum_ready adds them.
-    sgd_momentum_shard(own.params + begin, own.momentum + begin, grads_ + begin, self_->receive + b.slot, slot_floats_,
-                       world - 1, copies, n, h, first_step, compute_, skip);
+    sgd_momentum_shard(own.params + begin, own.momentum + begin, grads_ + begin, self_->receive + b->slot, slot_floats_,
+                       world - 1, own.params_bf16 + begin, n, h, first_step, compute_, skip);
+    comm_.order(compute_, push_stream_);
+    for (int p = 0; p < world; ++p) {
+      if (p == me) continue;
+      const PeerGroup::Member& peer = peers_->member(p);
+      CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.params_bf16 + begin, peer.device, own.params_bf16 + begin,
+                                     self_->device, n * sizeof(__nv_bfloat16), push_stream_));
+    }
   }
+  // Outside its shares a rank's fp32 weights go stale, but some kernels read those (biases,
+  // LayerNorm weights, embeddings): the owner's copies keep them whole everywhere.
+  Fp32Copies fp32_copies{};
+  for (int p = 0; p < world; ++p)
+    if (p != me) fp32_copies.at[fp32_copies.count++] = peers_->member(p).state.params;
+  copy_ranges(own.params, fp32_read_, fp32_read_count_, fp32_copies, compute_);
+  comm_.order(compute_, push_stream_);
   // The peers' next forward reads what this rank wrote into their weights; this rank's next
   // forward reads theirs, and its next pushes overwrite what their optimizers read just now.
-  CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kUpdated][0], compute_));
+  CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kUpdated][0], push_stream_));
   peers_->publish(me, PeerGroup::kUpdated, 0, step_);
   for (int p = 0; p < world; ++p) {
     if (p == me) continue;

@@ -111,6 +111,10 @@ class GradSync {
   // compute stream waits for every peer's step, so the next forward reads whole weights. The
   // fp32 weights and momentum outside this rank's shares go stale until gather_state().
   void optimizer_step(const SgdHyper& h, bool first_step, const int* skip);
+  // Sharded, before the first optimizer_step: the [offset, offset + count) ranges of the fp32
+  // weights the model's kernels read directly (ViT::fp32_read_ranges); after each step every
+  // rank copies its shares of them into every peer's fp32 weights.
+  void set_fp32_read_ranges(const std::vector<std::pair<size_t, size_t>>& ranges);
   // Sharded: copies this rank's shares of the fp32 weights and momentum to every peer and makes
   // the compute stream wait for the peers' copies, so that every rank holds the whole state (for
   // a checksum or a checkpoint). Every rank calls it; without sharding it does nothing.
@@ -156,6 +160,8 @@ class GradSync {
   PeerGroup* peers_ = nullptr;
   bool sharded_ = false;
   long gathers_ = 0;  // gather_state() calls: the kShared events' sequence
+  FloatRange* fp32_read_ = nullptr;  // device: this rank's shares of the fp32-read ranges
+  int fp32_read_count_ = -1;         // -1: not set yet
   const PeerGroup::Member* self_ = nullptr;
   cudaStream_t push_stream_ = nullptr, sum_stream_ = nullptr;
   size_t slot_floats_ = 0;  // a receive slot: every bucket's share

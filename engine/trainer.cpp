@@ -300,6 +300,8 @@ void Trainer::prepare() {
   }
   timer_->finish_step(false);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // That pass read every fp32 weight the kernels read directly: a sharded optimizer keeps them whole.
+  if (sync_) sync_->set_fp32_read_ranges(model_->fp32_read_ranges());
 }
 
 void Trainer::end_step(int step) {
