@@ -196,7 +196,7 @@ std::vector<double> losses(const std::string& out) {
 }
 
 const std::string kSmall = "./vit_train --img 32 --patch 8 --channels 3 --classes 10 --dim 64 --depth 2 --heads 4 "
-                           "--lr 0.05 --steps 10 --warmup 2 --log-every 1 --bucket-mb 1";
+                           "--lr 0.05 --steps 10 --warmup 2 --log-every 1 --bucket-mb 1 --comm-timeout 60";
 
 // The 16 hex digits of the run's "weights: checksum" line (empty without one).
 std::string weights_checksum(const std::string& out) {
