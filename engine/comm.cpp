@@ -350,7 +350,8 @@ void GradSync::optimizer_step(const SgdHyper& h, bool first_step, const int* ski
   const PeerGroup::State& own = self_->state;
   // In the order the next forward reads the weights (the last bucket holds the first ones). Each
   // share's new bf16 weights travel to the peers through the copy engines while the SMs update
-  // the next share: stores over NVLink from inside the kernel made it 2.5 ms slower (BENCHMARKS.md 22).
+  // the next share: stores over NVLink from inside the kernel, for all or part of each share, made
+  // the step slower (BENCHMARKS.md 22).
   for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) {
     const size_t begin = share_begin(*b, me), n = share_end(*b, me) - begin;
     if (n == 0) continue;

@@ -105,6 +105,8 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
     if (sup.fail("stopping: " + f, false)) sup.abort_all(f);
   });
   std::vector<std::atomic<long>> progress(opts.gpus);
+  std::vector<std::atomic<const char*>> activity(opts.gpus);
+  for (auto& a : activity) a = "starting";
   const std::string layout = group.size > 1 ? std::to_string(group.size) + " processes x " + std::to_string(opts.gpus) +
                                                   " GPU(s), " + group.source
                                             : std::to_string(opts.gpus) + " GPUs of one process";
@@ -123,6 +125,7 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
         ctx.device = first_device + w;
         ctx.layout = layout;
         ctx.progress = &progress[w];
+        ctx.activity = &activity[w];
         CUDA_CHECK(cudaSetDevice(ctx.device));
         comm = std::make_unique<Comm>(id, world, rank, opts.comm_ctas);
         {
@@ -196,8 +199,11 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
     // Start-up (NCCL init, autotuning, loading data) counts as a step: it too must end in time.
     if (Clock::now() - last_change > std::chrono::seconds(opts.comm_timeout)) {
       lock.unlock();
-      const std::string what = "no step finished for " + std::to_string(opts.comm_timeout) +
-                               " s (--comm-timeout): a collective is hung or a peer stopped answering";
+      std::string what = "no step finished for " + std::to_string(opts.comm_timeout) +
+                         " s (--comm-timeout): a collective is hung or a peer stopped answering (";
+      for (int w = 0; w < opts.gpus; ++w)
+        what += (w ? "; rank " : "rank ") + std::to_string(group.rank * opts.gpus + w) + ": " + activity[w].load();
+      what += ")";
       if (sup.fail("process " + std::to_string(group.rank) + ": " + what, false)) {
         sup.abort_all(what);
         channel.report_failure(what);

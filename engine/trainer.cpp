@@ -269,6 +269,7 @@ void Trainer::log_json(const std::string& fields) {
 }
 
 void Trainer::save(int steps_done) {
+  doing("saving a checkpoint");
   CheckpointState st;
   st.step = steps_done;
   if (sync_) sync_->gather_state();  // a sharded optimizer's stale shares first
@@ -287,6 +288,7 @@ void Trainer::save(int steps_done) {
 // (timed once, synchronising) and every kernel is loaded, so no step pays for either. It changes
 // nothing: the first step recomputes the same batch, activations and gradients.
 void Trainer::prepare() {
+  doing("start-up: the untimed first forward and backward");
   load_batch(0);
   if (!resumed_from_.empty()) {  // the checkpoint's FP8 state stays as it is: nothing primed, nothing recorded
     model_->set_fp8_recording(false);
@@ -402,20 +404,24 @@ void Trainer::load_batch(int step) {
 }
 
 void Trainer::forward_backward(bool sync_gradients) {
+  doing("forward and backward");
   model_->begin_fp8_step(stream_);
   model_->forward(stream_, *gemm_, *timer_);
   if (sync_ && sync_gradients) {
     sync_->begin_step();
     model_->backward(stream_, *gemm_, *timer_, [this](size_t offset) { sync_->ready_from(offset); });
     auto t = timer_->op(OpKind::CommWait, stream_);
+    doing("end of the backward: waiting for the peers' gradients");
     sync_->finish();
   } else {
     model_->backward(stream_, *gemm_, *timer_);
   }
+  doing("end of the step's FP8 scaling (an amax all-reduce)");
   model_->end_fp8_step(stream_);
 }
 
 float Trainer::mean_over_ranks(const float* device_value) {
+  doing("an all-reduce of the loss, then waiting for the GPU");
   float host = 0;
   if (ctx_.comm) {
     CUDA_CHECK(cudaMemcpyAsync(scalar_, device_value, sizeof(float), cudaMemcpyDeviceToDevice, stream_));
@@ -428,6 +434,7 @@ float Trainer::mean_over_ranks(const float* device_value) {
 }
 
 std::vector<unsigned long long> Trainer::weight_checksums() {
+  doing("gathering the weights' checksums");
   if (sync_) sync_->gather_state();  // a sharded optimizer's stale shares first
   checksum(model_->params(), model_->layout().total(), checksums_ + ctx_.rank, stream_);
   if (ctx_.comm) {
@@ -442,6 +449,7 @@ std::vector<unsigned long long> Trainer::weight_checksums() {
 }
 
 void Trainer::optimizer_step(int step) {
+  doing("optimizer step (sharded: then waiting for the peers' weights)");
   NvtxRange range("optimizer");
   auto phase = timer_->phase(Phase::Optimizer, stream_);
   {
@@ -461,6 +469,7 @@ void Trainer::optimizer_step(int step) {
 }
 
 Trainer::Accuracy Trainer::evaluate() {
+  doing("evaluation");
   NvtxRange range("evaluation");
   OpTimer untimed(false);
   model_->set_fp8_recording(false);

@@ -28,6 +28,8 @@ struct WorkerContext {
   Comm* comm = nullptr;      // null when alone
   PeerGroup* peers = nullptr;  // set: gradients summed through the copy engines (--allreduce)
   std::atomic<long>* progress = nullptr;  // steps finished, for the supervisor's timeout
+  // What the worker is doing now (a string literal): a run that times out names it for each rank.
+  std::atomic<const char*>* activity = nullptr;
   bool logs() const { return rank == 0; }
 };
 
@@ -61,6 +63,9 @@ class Trainer {
   cudaStream_t stream() const { return stream_; }
 
  private:
+  void doing(const char* what) {
+    if (ctx_.activity) ctx_.activity->store(what);
+  }
   struct EpochResult {
     int epoch, steps;         // steps < an epoch's for a run that ends inside one
     double train_loss, top1, top5;  // NaN where no evaluation fell on the epoch's end
