@@ -2,6 +2,7 @@
 #include "engine/nvtx.h"
 #include "kernels/common.cuh"
 #include "kernels/optimizer.h"
+#include "kernels/reduce.h"
 
 namespace {
 constexpr int kThreads = 256;
@@ -43,3 +44,10 @@ void sgd_momentum_step(float* params, float* momentum, const float* grads, bf16*
       first_step, skip, grad_norm);
   LAUNCH_CHECK();
 }
+
+void preload_exchange_kernels() {
+  cudaFuncAttributes a;
+  CUDA_CHECK(cudaFuncGetAttributes(&a, sgd_kernel));
+  preload_reduce_kernels();
+}
+

@@ -174,3 +174,13 @@ void sum_into(float* dst, const float* src, size_t stride, int sources, size_t n
   }
   LAUNCH_CHECK();
 }
+
+void preload_reduce_kernels() {
+  cudaFuncAttributes a;
+  CUDA_CHECK(cudaFuncGetAttributes(&a, sum_into_kernel));
+  CUDA_CHECK(cudaFuncGetAttributes(&a, sum_into_vec_kernel));
+  CUDA_CHECK(cudaFuncGetAttributes(&a, checksum_kernel));
+  CUDA_CHECK(cudaFuncGetAttributes(&a, sum_squares_kernel));
+  CUDA_CHECK(cudaFuncGetAttributes(&a, sqrt_sum_kernel));
+}
+
