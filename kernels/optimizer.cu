@@ -50,4 +50,3 @@ void preload_exchange_kernels() {
   CUDA_CHECK(cudaFuncGetAttributes(&a, sgd_kernel));
   preload_reduce_kernels();
 }
-

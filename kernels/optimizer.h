@@ -27,4 +27,3 @@ void sgd_momentum_step(float* params, float* momentum, const float* grads, __nv_
 // this process was inside a cross-device cudaStreamWaitEvent, it stalled both (BENCHMARKS.md 22).
 // Every rank calls this before the ranks start waiting on each other.
 void preload_exchange_kernels();
-

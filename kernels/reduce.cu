@@ -183,4 +183,3 @@ void preload_reduce_kernels() {
   CUDA_CHECK(cudaFuncGetAttributes(&a, sum_squares_kernel));
   CUDA_CHECK(cudaFuncGetAttributes(&a, sqrt_sum_kernel));
 }
-

@@ -25,4 +25,3 @@ void sum_into(float* dst, const float* src, size_t stride, int sources, size_t n
 // Loads sum_into's, checksum's and l2_norm's kernels into the current context (see
 // preload_exchange_kernels in optimizer.h).
 void preload_reduce_kernels();
-
