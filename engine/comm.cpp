@@ -7,7 +7,6 @@
 #include "engine/nvtx.h"
 #include "engine/peer_exchange.h"
 #include "kernels/elementwise.h"
-#include "kernels/optimizer.h"
 #include "kernels/reduce.h"
 
 void throw_nccl_error(ncclResult_t r, const char* call, const char* file, int line) {
@@ -158,7 +157,6 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
     buckets_.push_back(b);
   });
   if (peers) {
-    preload_exchange_kernels();  // before the ranks wait on each other (lazy loading: optimizer.h)
     CUDA_CHECK(cudaStreamCreateWithFlags(&push_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&sum_stream_, cudaStreamNonBlocking));
     self_ = &peers->join(comm.rank(), grads, slot_floats_, static_cast<int>(buckets_.size()), comm);

@@ -19,6 +19,7 @@
 #include "kernels/attention.h"
 #include "kernels/data.h"
 #include "kernels/optimizer.h"
+#include "kernels/preload.h"
 #include "kernels/random.h"
 #include "kernels/reduce.h"
 
@@ -286,7 +287,16 @@ void Trainer::prepare() {
     model_->reset_fp8_counters(stream_);  // the start-up pass is not a training step
   }
   timer_->finish_step(false);
+  preload_late_kernels();  // the rest of a run's kernels, before the ranks wait on each other (kernels/preload.h)
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (ctx_.comm) {
+    // Every rank done with start-up (allocations, kernel loads) before any copies into another's
+    // memory or waits on another's events: a barrier.
+    doing("start-up: waiting for the other ranks");
+    CUDA_CHECK(cudaMemsetAsync(scalar_, 0, sizeof(float), stream_));
+    ctx_.comm->all_reduce(scalar_, 1, ncclFloat32, ncclSum, stream_, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
 }
 
 void Trainer::end_step(int step) {

@@ -1,6 +1,7 @@
 #include "engine/check.h"
 #include "kernels/common.cuh"
 #include "kernels/data.h"
+#include "kernels/preload.h"
 
 namespace {
 constexpr int kThreads = 256;
@@ -31,6 +32,11 @@ __global__ void count_top_k_kernel(const float* __restrict__ logits, int ld, int
 
 __global__ void accumulate_kernel(const float* value, float* sum) { *sum += *value; }
 }  // namespace
+
+// First launched after the start-up pass (kernels/preload.h).
+PRELOAD_AT_START_UP(normalize_kernel);
+PRELOAD_AT_START_UP(count_top_k_kernel);
+PRELOAD_AT_START_UP(accumulate_kernel);
 
 void normalize_pixels(const uint8_t* in, float* out, size_t n, float mean, float std, cudaStream_t stream) {
   if (n == 0) return;

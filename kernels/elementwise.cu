@@ -4,6 +4,7 @@
 #include "kernels/elementwise.h"
 #include "kernels/fp8_tile.cuh"
 #include "kernels/reduce.h"
+#include "kernels/preload.h"
 
 namespace {
 constexpr int kThreads = 256;
@@ -152,6 +153,11 @@ __global__ void cast_to_bf16_kernel(const float* __restrict__ in, bf16* __restri
 
 // Grid-stride launches: enough blocks to fill the GPU several times over, no more.
 }  // namespace
+
+// First launched after the start-up pass (kernels/preload.h).
+PRELOAD_AT_START_UP(fill_kernel);
+PRELOAD_AT_START_UP(cast_to_f32_kernel);
+PRELOAD_AT_START_UP(cast_to_bf16_kernel);
 
 void gelu_forward(const bf16* h, bf16* a, size_t n, cudaStream_t stream) {
   NvtxRange range("gelu_forward");

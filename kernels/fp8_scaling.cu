@@ -1,6 +1,7 @@
 #include "engine/check.h"
 #include "kernels/common.cuh"
 #include "kernels/fp8_scaling.h"
+#include "kernels/preload.h"
 
 namespace {
 __global__ void update_kernel(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite) {
@@ -32,6 +33,13 @@ __global__ void scatter_amax_kernel(const float* in, Fp8Meta* metas, int count, 
   if (i == count) *non_finite = in[i] > 0.0f;
 }
 }  // namespace
+
+// First launched after the start-up pass (kernels/preload.h).
+PRELOAD_AT_START_UP(update_kernel);
+PRELOAD_AT_START_UP(tally_kernel);
+PRELOAD_AT_START_UP(gather_amax_kernel);
+PRELOAD_AT_START_UP(nonfinite_to_inf_kernel);
+PRELOAD_AT_START_UP(scatter_amax_kernel);
 
 void fp8_gather_amax(const Fp8Meta* metas, int count, const int* non_finite, const float* loss, float* out,
                      cudaStream_t stream) {

@@ -2,7 +2,7 @@
 #include "engine/nvtx.h"
 #include "kernels/common.cuh"
 #include "kernels/optimizer.h"
-#include "kernels/reduce.h"
+#include "kernels/preload.h"
 
 namespace {
 constexpr int kThreads = 256;
@@ -32,6 +32,9 @@ __global__ void sgd_kernel(float4* __restrict__ p, float4* __restrict__ buf, con
 }
 }  // namespace
 
+// First launched after the start-up pass (kernels/preload.h).
+PRELOAD_AT_START_UP(sgd_kernel);
+
 void sgd_momentum_step(float* params, float* momentum, const float* grads, bf16* params_bf16, size_t n,
                        SgdHyper h, bool first_step, cudaStream_t stream, const int* skip, const float* grad_norm) {
   NvtxRange range("sgd_momentum_step");
@@ -43,10 +46,4 @@ void sgd_momentum_step(float* params, float* momentum, const float* grads, bf16*
       reinterpret_cast<const float4*>(grads), reinterpret_cast<__nv_bfloat162*>(params_bf16), n / 4, h,
       first_step, skip, grad_norm);
   LAUNCH_CHECK();
-}
-
-void preload_exchange_kernels() {
-  cudaFuncAttributes a;
-  CUDA_CHECK(cudaFuncGetAttributes(&a, sgd_kernel));
-  preload_reduce_kernels();
 }

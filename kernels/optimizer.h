@@ -20,10 +20,3 @@ struct SgdHyper {
 void sgd_momentum_step(float* params, float* momentum, const float* grads, __nv_bfloat16* params_bf16,
                        size_t n, SgdHyper h, bool first_step, cudaStream_t stream, const int* skip = nullptr,
                        const float* grad_norm = nullptr);
-
-// Loads the kernels of the optimizer and of the copy-engine exchange (here and in reduce.cu)
-// into the current device's context. Under CUDA's lazy loading a kernel is loaded at its first
-// launch, which can synchronize the context: launched for the first time while another rank of
-// this process was inside a cross-device cudaStreamWaitEvent, it stalled both (BENCHMARKS.md 22).
-// Every rank calls this before the ranks start waiting on each other.
-void preload_exchange_kernels();

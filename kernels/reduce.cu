@@ -4,6 +4,7 @@
 #include "engine/nvtx.h"
 #include "kernels/common.cuh"
 #include "kernels/reduce.h"
+#include "kernels/preload.h"
 
 namespace {
 constexpr int kThreads = 256;
@@ -160,6 +161,13 @@ __global__ void sum_into_vec_kernel(float4* __restrict__ dst, const float4* __re
 }
 }  // namespace
 
+// First launched after the start-up pass (kernels/preload.h).
+PRELOAD_AT_START_UP(checksum_kernel);
+PRELOAD_AT_START_UP(sum_squares_kernel);
+PRELOAD_AT_START_UP(sqrt_sum_kernel);
+PRELOAD_AT_START_UP(sum_into_kernel);
+PRELOAD_AT_START_UP(sum_into_vec_kernel);
+
 void sum_into(float* dst, const float* src, size_t stride, int sources, size_t n, cudaStream_t stream) {
   if (n == 0) return;
   NvtxRange range("sum_into");
@@ -173,13 +181,4 @@ void sum_into(float* dst, const float* src, size_t stride, int sources, size_t n
     sum_into_kernel<<<std::min(grid_stride_blocks(n, 256), kMaxBlocks), 256, 0, stream>>>(dst, src, stride, sources, n);
   }
   LAUNCH_CHECK();
-}
-
-void preload_reduce_kernels() {
-  cudaFuncAttributes a;
-  CUDA_CHECK(cudaFuncGetAttributes(&a, sum_into_kernel));
-  CUDA_CHECK(cudaFuncGetAttributes(&a, sum_into_vec_kernel));
-  CUDA_CHECK(cudaFuncGetAttributes(&a, checksum_kernel));
-  CUDA_CHECK(cudaFuncGetAttributes(&a, sum_squares_kernel));
-  CUDA_CHECK(cudaFuncGetAttributes(&a, sqrt_sum_kernel));
 }

@@ -22,6 +22,3 @@ size_t l2_norm_partial_floats();
 // dst[i] = dst[i] + src[0 * stride + i] + src[1 * stride + i] + ... over `sources` arrays, added
 // in that order (fp32): a rank's share of the gradients summed with the copies its peers sent.
 void sum_into(float* dst, const float* src, size_t stride, int sources, size_t n, cudaStream_t stream);
-// Loads sum_into's, checksum's and l2_norm's kernels into the current context (see
-// preload_exchange_kernels in optimizer.h).
-void preload_reduce_kernels();

@@ -10,6 +10,7 @@
 #include "kernels/layernorm.h"
 #include "kernels/loss.h"
 #include "kernels/optimizer.h"
+#include "kernels/preload.h"
 #include "kernels/random.h"
 #include "kernels/reduce.h"
 #include "tests/gpu_util.h"
@@ -297,6 +298,16 @@ TEST_CASE("gpu: SGD with momentum, torch.optim.SGD semantics, two steps") {
     sgd_momentum_step(dp.get(), dbuf.get(), dg.get(), dpb.get(), n, h, true, 0, nullptr, dnorm.get());
     CHECK(rel_error(to_f64(dp.download()), p) < 1e-6);
   }
+}
+
+TEST_CASE("preload: the kernels first launched after start-up are registered") {
+  CHECK(late_kernels_registered() == 17);  // optimizer 1, reduce 5, fp8 scaling 5, data 3, elementwise 3
+}
+
+TEST_CASE("gpu: the kernels first launched after start-up load at start-up") {
+  SKIP_WITHOUT_GPU();
+  preload_late_kernels();  // throws if one cannot be loaded
+  CHECK(cudaGetLastError() == cudaSuccess);
 }
 
 TEST_CASE("gpu: random fills are deterministic and have the asked distribution") {
