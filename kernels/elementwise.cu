@@ -3,8 +3,8 @@
 #include "kernels/common.cuh"
 #include "kernels/elementwise.h"
 #include "kernels/fp8_tile.cuh"
-#include "kernels/reduce.h"
 #include "kernels/preload.h"
+#include "kernels/reduce.h"
 
 namespace {
 constexpr int kThreads = 256;
