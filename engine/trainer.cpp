@@ -405,7 +405,7 @@ void Trainer::forward_backward(bool sync_gradients) {
   } else {
     model_->backward(stream_, *gemm_, *timer_);
   }
-  doing("end of the step's FP8 scaling (an amax all-reduce)");
+  doing("end of the step (in fp8: the amax all-reduce)");
   model_->end_fp8_step(stream_);
 }
 
