@@ -49,6 +49,9 @@ std::string usage() {
              "                         peer to peer by the copy engines, summed by a small kernel, no NCCL kernel\n"
              "                         beside the backward; fp32, no --nccl-window) or auto (default: copy-engine\n"
              "                         where it applies, else nccl)\n"
+             "  --shard-optimizer S    auto (default: on with the copy-engine exchange and no --clip-grad), on or\n"
+             "                         off; on: each rank sums and updates only its share of the weights and writes\n"
+             "                         the new bf16 weights into every rank's copy (the same bits as off)\n"
              "  --nccl-window on|off   experimental, off by default: on all-reduces the gradients in NCCL-allocated memory\n"
              "                         registered as a symmetric window (faster; a failing rank can leave the others hung)\n"
              "  --comm-timeout S       a data-parallel run stops if no step finishes for S seconds (default 300)\n"
@@ -130,6 +133,10 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--allreduce", [&](const std::string& f, const std::string& v) {
          if (v != "auto" && v != "nccl" && v != "copy-engine") bad("unknown " + f + " '" + v + "'; choose auto, nccl or copy-engine");
          o.allreduce = v;
+       }},
+      {"--shard-optimizer", [&](const std::string& f, const std::string& v) {
+         if (v != "auto" && v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose auto, on or off");
+         o.shard_optimizer = v;
        }},
       {"--nccl-window", [&](const std::string& f, const std::string& v) {
          if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");
@@ -265,6 +272,10 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   if (o.allreduce == "copy-engine" && (o.reduce_dtype != "fp32" || o.nccl_window))
     bad("--allreduce copy-engine sums fp32 gradients in plain device memory: it takes neither --reduce-dtype bf16 "
         "nor --nccl-window on");
+  if (o.shard_optimizer == "on" && (o.allreduce == "nccl" || o.reduce_dtype != "fp32" || o.nccl_window || o.clip_grad > 0))
+    bad("--shard-optimizer on needs the copy-engine exchange in fp32 and no --clip-grad (each rank sees only its "
+        "share of the gradients): it takes neither --allreduce nccl, --reduce-dtype bf16, --nccl-window on nor "
+        "--clip-grad");
   if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
   if (!o.resume.empty() && !o.init_from.empty()) bad("--resume and --init-from exclude each other (a checkpoint has its weights)");
   if (o.epochs == 0) set_total_steps(o, o.steps);

@@ -16,6 +16,9 @@ struct TrainOptions {
   // How the gradients are summed: "nccl", "copy-engine" (GPUs of one process: cudaMemcpyPeerAsync
   // and a small sum kernel, no NCCL kernel beside the backward), or "auto" (copy-engine where it applies).
   std::string allreduce = "auto";
+  // The optimizer sharded over the ranks: "auto" (where the copy engines sum the gradients and no
+  // --clip-grad is given), "on" (the same, an error where it cannot) or "off".
+  std::string shard_optimizer = "auto";
   bool nccl_window = false;  // the all-reduced buffer from ncclMemAlloc, registered as a symmetric window
   int comm_timeout = 300;  // seconds without a finished step before a data-parallel run gives up
   int comm_ctas = 0;  // NCCL's thread blocks at most (0: NCCL's choice)

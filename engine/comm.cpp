@@ -138,11 +138,16 @@ size_t GradSync::receive_floats(size_t count, size_t bucket_floats, int ranks) {
 }
 
 GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype,
-                   __nv_bfloat16* staging, cudaStream_t compute, bool overlap, bool window, PeerGroup* peers)
-    : comm_(comm), grads_(grads), dtype_(dtype), staging_(staging), compute_(compute), overlap_(overlap), peers_(peers) {
+                   __nv_bfloat16* staging, cudaStream_t compute, bool overlap, bool window, PeerGroup* peers,
+                   const PeerGroup::State* shard)
+    : comm_(comm), grads_(grads), dtype_(dtype), staging_(staging), compute_(compute), overlap_(overlap), peers_(peers),
+      sharded_(peers && shard) {
   ENSURE(count > 0 && bucket_floats > 0 && (dtype == ReduceDType::F32 || staging), "GradSync: no gradient, empty buckets or no staging");
   ENSURE(!peers || (dtype == ReduceDType::F32 && !window && peers->ranks() == comm.world()),
          "GradSync: the copy-engine exchange sums fp32 gradients of every rank, outside NCCL's window");
+  ENSURE(!shard || (peers && shard->grads == grads && shard->params && shard->momentum && shard->params_bf16 &&
+                    comm.world() <= kMaxPeerCopies + 1),
+         "GradSync: a sharded optimizer needs the copy-engine exchange, the whole state and at most 8 ranks");
   if (window) {
     window_ = dtype == ReduceDType::F32 ? comm.register_window(grads, count * sizeof(float), &window_failure_)
                                          : comm.register_window(staging, count * sizeof(__nv_bfloat16), &window_failure_);
@@ -159,7 +164,9 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
   if (peers) {
     CUDA_CHECK(cudaStreamCreateWithFlags(&push_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&sum_stream_, cudaStreamNonBlocking));
-    self_ = &peers->join(comm.rank(), grads, slot_floats_, static_cast<int>(buckets_.size()), comm);
+    PeerGroup::State state;
+    state.grads = grads;
+    self_ = &peers->join(comm.rank(), shard ? *shard : state, slot_floats_, static_cast<int>(buckets_.size()), comm);
   }
 }
 
@@ -168,6 +175,7 @@ GradSync::~GradSync() {
   for (Bucket& b : buckets_)
     for (cudaEvent_t e : {b.start, b.stop, b.sum_start, b.sum_stop})
       if (e) cudaEventDestroy(e);
+  cudaFree(fp32_read_);
   if (push_stream_) cudaStreamDestroy(push_stream_);
   if (sum_stream_) cudaStreamDestroy(sum_stream_);
 }
@@ -177,7 +185,7 @@ void GradSync::enable_timing() {
   for (Bucket& b : buckets_) {
     CUDA_CHECK(cudaEventCreate(&b.start));
     CUDA_CHECK(cudaEventCreate(&b.stop));
-    if (peers_) {
+    if (peers_ && !sharded_) {
       CUDA_CHECK(cudaEventCreate(&b.sum_start));
       CUDA_CHECK(cudaEventCreate(&b.sum_stop));
     }
@@ -191,8 +199,7 @@ void GradSync::collect() {
     CUDA_CHECK(cudaEventSynchronize(b.stop));
     CUDA_CHECK(cudaEventElapsedTime(&ms, b.start, b.stop));
     busy_ms_ += ms;
-    if (peers_) {
-      CUDA_CHECK(cudaEventSynchronize(b.sum_stop));
+    if (b.sum_stop) {
       CUDA_CHECK(cudaEventElapsedTime(&ms, b.sum_start, b.sum_stop));
       busy_ms_ += ms;
     }
@@ -245,7 +252,7 @@ void GradSync::sum_ready(bool wait) {
     for (int p = 0; p < world; ++p) {
       if (p == me || n == 0) continue;
       const PeerGroup::Member& peer = peers_->member(p);
-      CUDA_CHECK(cudaMemcpyPeerAsync(peer.grads + begin, peer.device, grads_ + begin, self_->device, n * sizeof(float),
+      CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.grads + begin, peer.device, grads_ + begin, self_->device, n * sizeof(float),
                                      sum_stream_));
     }
     if (timing_) CUDA_CHECK(cudaEventRecord(b.sum_stop, sum_stream_));
@@ -284,16 +291,26 @@ void GradSync::launch_from(size_t offset) {
     ordered = true;
     launch(b);
   }
-  if (peers_) sum_ready(false);
+  if (peers_ && !sharded_) sum_ready(false);
 }
 
 void GradSync::finish() {
   launch_from(0);
-  if (peers_) {
+  const int last = static_cast<int>(buckets_.size()) - 1;
+  if (sharded_) {
+    // Each rank pushes its buckets in order on one stream: the last bucket's event covers them
+    // all. The optimizer reads what the peers pushed here; the next backward overwrites the
+    // gradients this rank's own pushes read.
+    for (int p = 0; p < comm_.world(); ++p) {
+      if (p == comm_.rank()) continue;
+      peers_->await(p, PeerGroup::kPushed, last, step_, comm_);
+      CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kPushed][last], 0));
+    }
+    CUDA_CHECK(cudaStreamWaitEvent(compute_, self_->events[PeerGroup::kPushed][last], 0));
+  } else if (peers_) {
     // Every peer pushes its sums back in bucket order on one stream: the last bucket's event
     // covers them all; this rank's own sums are on its sum stream.
     sum_ready(true);
-    const int last = static_cast<int>(buckets_.size()) - 1;
     for (int p = 0; p < comm_.world(); ++p) {
       if (p == comm_.rank()) continue;
       peers_->await(p, PeerGroup::kGathered, last, step_, comm_);
@@ -302,5 +319,96 @@ void GradSync::finish() {
     CUDA_CHECK(cudaStreamWaitEvent(compute_, self_->events[PeerGroup::kGathered][last], 0));
   } else {
     comm_.order(comm_.stream(), compute_);
+  }
+}
+
+void GradSync::set_fp32_read_ranges(const std::vector<std::pair<size_t, size_t>>& ranges) {
+  if (!sharded_) return;
+  const int me = comm_.rank();
+  std::vector<FloatRange> own;
+  for (const Bucket& b : buckets_) {
+    const size_t lo = share_begin(b, me), hi = share_end(b, me);
+    for (const auto& [offset, count] : ranges) {
+      const size_t begin = std::max(lo, offset), end = std::min(hi, offset + count);
+      if (begin < end) own.push_back({begin, end - begin});
+    }
+  }
+  cudaFree(fp32_read_);
+  fp32_read_ = nullptr;
+  if (!own.empty()) {
+    CUDA_CHECK(cudaMalloc(&fp32_read_, own.size() * sizeof(FloatRange)));
+    CUDA_CHECK(cudaMemcpy(fp32_read_, own.data(), own.size() * sizeof(FloatRange), cudaMemcpyHostToDevice));
+  }
+  fp32_read_count_ = static_cast<int>(own.size());
+}
+
+void GradSync::optimizer_step(const SgdHyper& h, bool first_step, const int* skip) {
+  ENSURE(sharded_ && fp32_read_count_ >= 0,
+         "GradSync::optimizer_step: the optimizer is not sharded, or the fp32-read ranges were not set");
+  NvtxRange range("sharded optimizer: own shares, bf16 weights copied to every rank");
+  const int me = comm_.rank(), world = comm_.world();
+  const PeerGroup::State& own = self_->state;
+  // In the order the next forward reads the weights (the last bucket holds the first ones). Each
+  // share's new bf16 weights travel to the peers through the copy engines while the SMs update
+  // the next share: stores over NVLink from inside the kernel, for all or part of each share, made
+  // the step slower (BENCHMARKS.md 22).
+  for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) {
+    const size_t begin = share_begin(*b, me), n = share_end(*b, me) - begin;
+    if (n == 0) continue;
+    // The peers' copies of this share sit in the receive slots in their rank order, as sum_ready adds them.
+    sgd_momentum_shard(own.params + begin, own.momentum + begin, grads_ + begin, self_->receive + b->slot, slot_floats_,
+                       world - 1, own.params_bf16 + begin, n, h, first_step, compute_, skip);
+    comm_.order(compute_, push_stream_);
+    for (int p = 0; p < world; ++p) {
+      if (p == me) continue;
+      const PeerGroup::Member& peer = peers_->member(p);
+      CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.params_bf16 + begin, peer.device, own.params_bf16 + begin,
+                                     self_->device, n * sizeof(__nv_bfloat16), push_stream_));
+    }
+  }
+  // Outside its shares a rank's fp32 weights go stale, but some kernels read those (biases,
+  // LayerNorm weights, embeddings): the owner's copies keep them whole everywhere.
+  Fp32Copies fp32_copies{};
+  for (int p = 0; p < world; ++p)
+    if (p != me) fp32_copies.at[fp32_copies.count++] = peers_->member(p).state.params;
+  copy_ranges(own.params, fp32_read_, fp32_read_count_, fp32_copies, compute_);
+  comm_.order(compute_, push_stream_);
+  // The peers' next forward reads what this rank wrote into their weights; this rank's next
+  // forward reads theirs, and its next pushes overwrite what their optimizers read just now.
+  CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kUpdated][0], push_stream_));
+  peers_->publish(me, PeerGroup::kUpdated, 0, step_);
+  for (int p = 0; p < world; ++p) {
+    if (p == me) continue;
+    peers_->await(p, PeerGroup::kUpdated, 0, step_, comm_);
+    CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kUpdated][0], 0));
+  }
+}
+
+void GradSync::gather_state() {
+  if (!sharded_) return;
+  NvtxRange range("sharded optimizer: state gathered on every rank");
+  const int me = comm_.rank(), world = comm_.world();
+  const PeerGroup::State& own = self_->state;
+  ++gathers_;
+  comm_.order(compute_, push_stream_);  // after the last step's update of the shares
+  for (const Bucket& b : buckets_) {
+    const size_t begin = share_begin(b, me), n = share_end(b, me) - begin;
+    for (int p = 0; p < world && n; ++p) {
+      if (p == me) continue;
+      const PeerGroup::Member& peer = peers_->member(p);
+      CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.params + begin, peer.device, own.params + begin, self_->device,
+                                     n * sizeof(float), push_stream_));
+      CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.momentum + begin, peer.device, own.momentum + begin, self_->device,
+                                     n * sizeof(float), push_stream_));
+    }
+  }
+  CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kShared][0], push_stream_));
+  peers_->publish(me, PeerGroup::kShared, 0, gathers_);
+  // The next update of this rank's shares waits for its copies to have read them.
+  CUDA_CHECK(cudaStreamWaitEvent(compute_, self_->events[PeerGroup::kShared][0], 0));
+  for (int p = 0; p < world; ++p) {
+    if (p == me) continue;
+    peers_->await(p, PeerGroup::kShared, 0, gathers_, comm_);
+    CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kShared][0], 0));
   }
 }

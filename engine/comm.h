@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/peer_exchange.h"
+#include "kernels/optimizer.h"
 
 [[noreturn]] void throw_nccl_error(ncclResult_t r, const char* call, const char* file, int line);
 #define NCCL_CHECK(call)                                                    \
@@ -86,8 +87,11 @@ class GradSync {
   // backward; without it every bucket starts in finish(). window: the buffer all-reduced (grads,
   // or staging for bf16) came from ncclMemAlloc and is registered as a symmetric window.
   // peers: exchange through the copy engines (fp32 only; no window); this rank is comm.rank().
+  // shard (with peers): the optimizer is sharded over this rank's training state (shard->grads is
+  // grads): the backward only scatters the shares, optimizer_step() updates this rank's own.
   GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype, __nv_bfloat16* staging,
-           cudaStream_t compute, bool overlap = true, bool window = false, PeerGroup* peers = nullptr);
+           cudaStream_t compute, bool overlap = true, bool window = false, PeerGroup* peers = nullptr,
+           const PeerGroup::State* shard = nullptr);
   // Empty if the window asked for is registered (or none was asked for), else why not.
   const std::string& window_failure() const { return window_failure_; }
   bool windowed() const { return window_ != nullptr; }
@@ -95,11 +99,26 @@ class GradSync {
   // The floats of the receive buffer the copy-engine exchange allocates on each rank.
   static size_t receive_floats(size_t count, size_t bucket_floats, int ranks);
   bool copy_engines() const { return peers_ != nullptr; }
+  bool sharded() const { return sharded_; }
 
   void begin_step();
   void ready_from(size_t offset);
   void finish();
   int buckets() const { return static_cast<int>(buckets_.size()); }
+
+  // Sharded, after finish(): SGD on this rank's share of every bucket (its gradient plus the
+  // copies the peers pushed), the new bf16 weights written into every rank's copy; then the
+  // compute stream waits for every peer's step, so the next forward reads whole weights. The
+  // fp32 weights and momentum outside this rank's shares go stale until gather_state().
+  void optimizer_step(const SgdHyper& h, bool first_step, const int* skip);
+  // Sharded, before the first optimizer_step: the [offset, offset + count) ranges of the fp32
+  // weights the model's kernels read directly (ViT::fp32_read_ranges); after each step every
+  // rank copies its shares of them into every peer's fp32 weights.
+  void set_fp32_read_ranges(const std::vector<std::pair<size_t, size_t>>& ranges);
+  // Sharded: copies this rank's shares of the fp32 weights and momentum to every peer and makes
+  // the compute stream wait for the peers' copies, so that every rank holds the whole state (for
+  // a checksum or a checkpoint). Every rank calls it; without sharding it does nothing.
+  void gather_state();
 
   // --timing: events around each bucket on the communication stream; collect() (after the step
   // has finished) adds the step's busy time, and busy_ms() is the total.
@@ -139,6 +158,10 @@ class GradSync {
   // Copy engines: the group, this rank's side of it, the two streams (pushes; sums and pushes
   // back, which wait on the peers).
   PeerGroup* peers_ = nullptr;
+  bool sharded_ = false;
+  long gathers_ = 0;  // gather_state() calls: the kShared events' sequence
+  FloatRange* fp32_read_ = nullptr;  // device: this rank's shares of the fp32-read ranges
+  int fp32_read_count_ = -1;         // -1: not set yet
   const PeerGroup::Member* self_ = nullptr;
   cudaStream_t push_stream_ = nullptr, sum_stream_ = nullptr;
   size_t slot_floats_ = 0;  // a receive slot: every bucket's share

@@ -37,10 +37,10 @@ bool PeerGroup::reachable(const std::vector<int>& devices, std::string* why) {
 }
 
 long& PeerGroup::published(int rank, Stage stage, int bucket) {
-  return published_[(static_cast<size_t>(rank) * 2 + stage) * buckets_ + bucket];
+  return published_[(static_cast<size_t>(rank) * kStages + stage) * buckets_ + bucket];
 }
 
-const PeerGroup::Member& PeerGroup::join(int rank, float* grads, size_t slot_floats, int buckets, Comm& comm) {
+const PeerGroup::Member& PeerGroup::join(int rank, const State& state, size_t slot_floats, int buckets, Comm& comm) {
   ENSURE(rank >= 0 && rank < ranks_ && buckets > 0, "PeerGroup::join: bad rank or no bucket");
   int device = -1;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -48,12 +48,12 @@ const PeerGroup::Member& PeerGroup::join(int rank, float* grads, size_t slot_flo
     std::unique_lock<std::mutex> lock(mutex_);  // filled in under the lock: the destructor frees what is there
     if (buckets_ < 0) {
       buckets_ = buckets;
-      published_.assign(static_cast<size_t>(ranks_) * 2 * buckets_, -1);
+      published_.assign(static_cast<size_t>(ranks_) * kStages * buckets_, -1);
     }
     ENSURE(buckets == buckets_, "PeerGroup::join: the ranks cut different buckets");
     Member& m = members_[rank];
     m.device = device;
-    m.grads = grads;
+    m.state = state;
     CUDA_CHECK(cudaMalloc(&m.receive, std::max<size_t>(1, slot_floats * (ranks_ - 1)) * sizeof(float)));
     for (auto& stage : m.events) {
       stage.assign(buckets, nullptr);

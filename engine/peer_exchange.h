@@ -14,6 +14,7 @@
 // a peer awaits that step on the host before queueing the wait. Those host waits give way to a
 // failure: they poll the rank's communicator, which the supervisor aborts.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <condition_variable>
@@ -26,15 +27,24 @@ class Comm;
 class PeerGroup {
  public:
   // Events each rank records, per bucket: its pushes of that bucket done; its sums of its shares
-  // pushed back to every peer.
-  enum Stage { kPushed = 0, kGathered = 1 };
+  // pushed back to every peer. With the optimizer sharded (bucket 0's event only): its shares
+  // updated and their bf16 weights written into every peer's copy; its shares' fp32 weights and
+  // momentum copied to every peer (gather_state).
+  enum Stage { kPushed = 0, kGathered = 1, kUpdated = 2, kShared = 3, kStages = 4 };
+  // The rank's training state, whole (its model's buffers).
+  struct State {
+    float* grads = nullptr;
+    float* params = nullptr;
+    float* momentum = nullptr;
+    __nv_bfloat16* params_bf16 = nullptr;
+  };
   // A rank's side, allocated on its device by join() and owned here: freed only once every worker
   // has stopped, so no rank ever copies into or waits on what another already released.
   struct Member {
     int device = -1;
-    float* grads = nullptr;    // the gradients, whole (the rank's own)
+    State state;
     float* receive = nullptr;  // (ranks - 1) slots: the peers' copies of this rank's shares
-    std::vector<cudaEvent_t> events[2];  // per bucket, by Stage
+    std::vector<cudaEvent_t> events[kStages];  // per bucket, by Stage
   };
 
   explicit PeerGroup(int ranks);
@@ -49,7 +59,7 @@ class PeerGroup {
   // On the rank's device (current): allocates its receive buffer ((ranks - 1) x slot_floats) and
   // events, blocks until every rank has joined, then lets the device reach the others'. Throws
   // if comm is aborted meanwhile.
-  const Member& join(int rank, float* grads, size_t slot_floats, int buckets, Comm& comm);
+  const Member& join(int rank, const State& state, size_t slot_floats, int buckets, Comm& comm);
   const Member& member(int rank) const { return members_[rank]; }
 
   // rank recorded its `stage` event of `bucket` for step `step`.

@@ -204,8 +204,18 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
       CUDA_CHECK(cudaMalloc(&reduce_staging_, staging * sizeof(__nv_bfloat16)));
     }
     model_->set_gradient_ranks(ctx_.world);
+    // The optimizer sharded where the copy engines sum the gradients (--shard-optimizer auto): each
+    // rank updates only its share of every bucket, which halves the exchange's traffic and splits the
+    // optimizer's. Clipping needs the whole gradient's norm on every rank: not sharded then.
+    const bool shard = ctx_.peers && opts_.shard_optimizer != "off" && opts_.clip_grad == 0;
+    PeerGroup::State state;
+    state.grads = model_->grads();
+    state.params = model_->params();
+    state.momentum = model_->momentum();
+    state.params_bf16 = model_->params_bf16();
     sync_ = std::make_unique<GradSync>(*ctx_.comm, model_->grads(), model_->layout().total(), bucket_floats,
-                                       reduce_dtype, reduce_staging_, stream_, opts_.comm_overlap, window, ctx_.peers);
+                                       reduce_dtype, reduce_staging_, stream_, opts_.comm_overlap, window, ctx_.peers,
+                                       shard ? &state : nullptr);
     if (!sync_->window_failure().empty() && ctx_.rank == 0)
       std::printf("note: NCCL could not register the gradient buffer as a window (%s); all-reducing without\n",
                   sync_->window_failure().c_str());
@@ -213,6 +223,10 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     Comm* comm = ctx_.comm;
     model_->set_amax_reducer([comm](float* data, int n, cudaStream_t s) { comm->all_reduce(data, n, ncclFloat32, ncclMax, s, s); });
   }
+  if (opts_.shard_optimizer == "on" && !(sync_ && sync_->sharded()))
+    throw UsageError("--shard-optimizer on needs the copy-engine exchange: two or more GPUs of this process that "
+                     "reach each other's memory");
+
   if (fashion_) {
     train_loader_ = std::make_unique<DataLoader>(fashion_->train, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
                                                  true, opts_.seed, ctx_.rank, ctx_.world);
@@ -259,6 +273,7 @@ void Trainer::save(int steps_done) {
   doing("saving a checkpoint");
   CheckpointState st;
   st.step = steps_done;
+  if (sync_) sync_->gather_state();  // a sharded optimizer's stale shares first
   st.epoch_loss_sum = loss_sum_ ? mean_over_ranks(loss_sum_) : 0.0f;  // a collective: every rank
   if (!ctx_.logs()) return;  // the ranks hold the same state; rank 0 writes it
   // Never a checkpoint of a step whose collectives were cut short by an abort.
@@ -289,6 +304,8 @@ void Trainer::prepare() {
   timer_->finish_step(false);
   preload_late_kernels();  // the rest of a run's kernels, before the ranks wait on each other (kernels/preload.h)
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // That pass read every fp32 weight the kernels read directly: a sharded optimizer keeps them whole.
+  if (sync_) sync_->set_fp32_read_ranges(model_->fp32_read_ranges());
   if (ctx_.comm) {
     // Every rank done with start-up (allocations, kernel loads) before any copies into another's
     // memory or waits on another's events: a barrier.
@@ -359,6 +376,10 @@ void Trainer::print_summary() const {
                 sync_->copy_engines() ? "through the copy engines (peer to peer)" : "over NCCL", sync_->buckets(),
                 opts_.bucket_mb, opts_.comm_overlap ? "overlapping the backward" : "after the backward (--comm-overlap off)",
                 sync_->windowed() ? ", in a registered NCCL window" : "");
+  if (sync_ && sync_->sharded())
+    std::printf("  optimizer   sharded (--shard-optimizer %s): each rank sums and updates its share of every bucket\n"
+                "              and writes the new bf16 weights into every rank's copy over NVLink\n",
+                opts_.shard_optimizer.c_str());
   std::printf("  training    batch %d%s, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",
               opts_.batch, ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, schedule_.describe().c_str(), opts_.momentum, opts_.weight_decay,
               opts_.nesterov ? " nesterov" : "", static_cast<unsigned long long>(opts_.seed));
@@ -424,6 +445,7 @@ float Trainer::mean_over_ranks(const float* device_value) {
 
 std::vector<unsigned long long> Trainer::weight_checksums() {
   doing("gathering the weights' checksums");
+  if (sync_) sync_->gather_state();  // a sharded optimizer's stale shares first
   checksum(model_->params(), model_->layout().total(), checksums_ + ctx_.rank, stream_);
   if (ctx_.comm) {
     ctx_.comm->order(stream_, ctx_.comm->stream());
@@ -437,7 +459,7 @@ std::vector<unsigned long long> Trainer::weight_checksums() {
 }
 
 void Trainer::optimizer_step(int step) {
-  doing("optimizer step");
+  doing("optimizer step (sharded: then waiting for the peers' weights)");
   NvtxRange range("optimizer");
   auto phase = timer_->phase(Phase::Optimizer, stream_);
   {
@@ -445,9 +467,13 @@ void Trainer::optimizer_step(int step) {
     SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
                static_cast<float>(opts_.weight_decay), opts_.nesterov};
     h.max_grad_norm = static_cast<float>(opts_.clip_grad);
-    if (grad_norm_) l2_norm(model_->grads(), model_->layout().total(), norm_partial_, grad_norm_, stream_);
-    sgd_momentum_step(model_->params(), model_->momentum(), model_->grads(), model_->params_bf16(),
-                      model_->layout().total(), h, step == 0, stream_, model_->fp8_step_non_finite(), grad_norm_);
+    if (sync_ && sync_->sharded()) {
+      sync_->optimizer_step(h, step == 0, model_->fp8_step_non_finite());
+    } else {
+      if (grad_norm_) l2_norm(model_->grads(), model_->layout().total(), norm_partial_, grad_norm_, stream_);
+      sgd_momentum_step(model_->params(), model_->momentum(), model_->grads(), model_->params_bf16(),
+                        model_->layout().total(), h, step == 0, stream_, model_->fp8_step_non_finite(), grad_norm_);
+    }
   }
   model_->cast_fp8_weights(stream_, timer_.get());  // the next forward's FP8 weights
 }

@@ -7,9 +7,12 @@
 namespace {
 constexpr int kThreads = 256;
 
+// received: `peers` arrays of the peers' copies of this share (stride4 apart), added to the
+// gradient in order.
 __global__ void sgd_kernel(float4* __restrict__ p, float4* __restrict__ buf, const float4* __restrict__ g,
-                           __nv_bfloat162* __restrict__ p_bf16, size_t n4, SgdHyper h, bool first_step,
-                           const int* __restrict__ skip, const float* __restrict__ grad_norm) {
+                           const float4* __restrict__ received, size_t stride4, int peers,
+                           __nv_bfloat162* __restrict__ p_bf16, size_t n4, SgdHyper h, bool first_step, const int* __restrict__ skip,
+                           const float* __restrict__ grad_norm) {
   if (skip && *skip) return;
   // torch.nn.utils.clip_grad_norm_: gradients scaled by max_norm / (norm + 1e-6) when above.
   const float clip = grad_norm ? fminf(1.0f, h.max_grad_norm / (*grad_norm + 1e-6f)) : 1.0f;
@@ -18,6 +21,13 @@ __global__ void sgd_kernel(float4* __restrict__ p, float4* __restrict__ buf, con
     *reinterpret_cast<float4*>(pv) = p[i];
     *reinterpret_cast<float4*>(bv) = buf[i];
     *reinterpret_cast<float4*>(gv) = g[i];
+    for (int s = 0; s < peers; ++s) {  // sum_into's order: the own share first, then each peer's
+      const float4 r = received[s * stride4 + i];
+      gv[0] += r.x;
+      gv[1] += r.y;
+      gv[2] += r.z;
+      gv[3] += r.w;
+    }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float d = clip * gv[j] + h.weight_decay * pv[j];
@@ -30,6 +40,20 @@ __global__ void sgd_kernel(float4* __restrict__ p, float4* __restrict__ buf, con
     p_bf16[2 * i + 1] = __floats2bfloat162_rn(pv[2], pv[3]);
   }
 }
+
+void launch_sgd(float* params, float* momentum, const float* grads, const float* received, size_t stride, int peers,
+                bf16* params_bf16, size_t n, SgdHyper h, bool first_step, cudaStream_t stream, const int* skip,
+                const float* grad_norm) {
+  ENSURE(n % 4 == 0 && stride % 4 == 0 && is_aligned16(params) && is_aligned16(momentum) && is_aligned16(grads) &&
+             is_aligned16(params_bf16) && (peers == 0 || is_aligned16(received)),
+         "sgd_momentum_step: n % 4 and 16-byte alignment");
+  if (n == 0) return;
+  sgd_kernel<<<grid_stride_blocks(n / 4, kThreads), kThreads, 0, stream>>>(
+      reinterpret_cast<float4*>(params), reinterpret_cast<float4*>(momentum), reinterpret_cast<const float4*>(grads),
+      reinterpret_cast<const float4*>(received), stride / 4, peers, reinterpret_cast<__nv_bfloat162*>(params_bf16),
+      n / 4, h, first_step, skip, grad_norm);
+  LAUNCH_CHECK();
+}
 }  // namespace
 
 // First launched after the start-up pass (kernels/preload.h).
@@ -38,12 +62,35 @@ PRELOAD_AT_START_UP(sgd_kernel);
 void sgd_momentum_step(float* params, float* momentum, const float* grads, bf16* params_bf16, size_t n,
                        SgdHyper h, bool first_step, cudaStream_t stream, const int* skip, const float* grad_norm) {
   NvtxRange range("sgd_momentum_step");
-  ENSURE(n % 4 == 0 && is_aligned16(params) && is_aligned16(momentum) && is_aligned16(grads) &&
-              is_aligned16(params_bf16),
-          "sgd_momentum_step: n % 4 and 16-byte alignment");
-  sgd_kernel<<<grid_stride_blocks(n / 4, kThreads), kThreads, 0, stream>>>(
-      reinterpret_cast<float4*>(params), reinterpret_cast<float4*>(momentum),
-      reinterpret_cast<const float4*>(grads), reinterpret_cast<__nv_bfloat162*>(params_bf16), n / 4, h,
-      first_step, skip, grad_norm);
+  launch_sgd(params, momentum, grads, nullptr, 0, 0, params_bf16, n, h, first_step, stream, skip, grad_norm);
+}
+
+void sgd_momentum_shard(float* params, float* momentum, const float* grads, const float* received, size_t stride,
+                        int peers, bf16* params_bf16, size_t n, SgdHyper h, bool first_step, cudaStream_t stream,
+                        const int* skip) {
+  NvtxRange range("sgd_momentum_shard");
+  launch_sgd(params, momentum, grads, received, stride, peers, params_bf16, n, h, first_step, stream, skip, nullptr);
+}
+
+namespace {
+__global__ void copy_ranges_kernel(const float* __restrict__ src, const FloatRange* __restrict__ ranges, Fp32Copies dsts) {
+  const FloatRange r = ranges[blockIdx.y];
+  for (size_t i = r.begin + blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < r.begin + r.count;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const float v = src[i];
+    for (int c = 0; c < dsts.count; ++c) dsts.at[c][i] = v;
+  }
+  __threadfence_system();  // read by the peers' kernels once an event tells them this grid is done
+}
+}  // namespace
+
+PRELOAD_AT_START_UP(copy_ranges_kernel);
+
+void copy_ranges(const float* src, const FloatRange* ranges, int n_ranges, const Fp32Copies& dsts, cudaStream_t stream) {
+  ENSURE(n_ranges >= 0 && n_ranges <= 65535 && dsts.count >= 0 && dsts.count <= kMaxPeerCopies,
+         "copy_ranges: bad range or copy count");
+  if (n_ranges == 0 || dsts.count == 0) return;
+  NvtxRange range("copy_ranges");
+  copy_ranges_kernel<<<dim3(8, n_ranges), 256, 0, stream>>>(src, ranges, dsts);
   LAUNCH_CHECK();
 }

@@ -38,6 +38,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
       classes_ld_((cfg.classes + 7) / 8 * 8), precision_(precision), fp8_(fp8) {
   const size_t D = cfg.dim, H = cfg.hidden(), M = M_, B = B_, P = cfg.patches();
   const size_t n = layout_.total();
+  fp32_read_.assign(layout_.tensors().size(), 0);
   a.params.add(&params_, n);
   a.params.add(&params_bf16_, n);
   a.grads.add(&grads_, n);
@@ -225,6 +226,13 @@ void ViT::end_fp8_step(cudaStream_t st) {
     fp8_update_scales(fp8_metas_, static_cast<int>(linears_.size()) * 12, fp8_.history, fp8_.margin,
                       fp8_step_non_finite_, st);
   fp8_tally_skip(loss_, fp8_step_non_finite_, fp8_skipped_, st);
+}
+
+std::vector<std::pair<size_t, size_t>> ViT::fp32_read_ranges() const {
+  std::vector<std::pair<size_t, size_t>> ranges;
+  for (size_t t = 0; t < fp32_read_.size(); ++t)
+    if (fp32_read_[t]) ranges.emplace_back(layout_.at(static_cast<int>(t)).offset, layout_.at(static_cast<int>(t)).numel);
+  return ranges;
 }
 
 void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {

@@ -63,6 +63,10 @@ class ViT {
 
   const ViTConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
+  // [offset, offset + numel) of every tensor the kernels have read as fp32 master weights (not
+  // through the bf16 copy) so far; after one forward and backward, all of them. A sharded
+  // optimizer keeps these whole on every rank (biases, LayerNorm weights, embeddings: ~0.1%).
+  std::vector<std::pair<size_t, size_t>> fp32_read_ranges() const;
   int batch() const { return B_; }
 
   // timm's initialisation, drawn on the device from the seed; also writes the bf16 copy and
@@ -170,7 +174,11 @@ class ViT {
     return fp8_counting_ ? fp8_stats_ + 3 * (m - fp8_metas_) : nullptr;
   }
 
-  const float* p(int t) const { return params_ + layout_.at(t).offset; }
+  // Marks tensor t as read in fp32 (see fp32_read_ranges).
+  const float* p(int t) const {
+    fp32_read_[t] = 1;
+    return params_ + layout_.at(t).offset;
+  }
   const bf16* pb(int t) const { return params_bf16_ + layout_.at(t).offset; }
   float* g(int t) const { return grads_ + layout_.at(t).offset; }
   float* resid(int i) const { return resid_ + static_cast<size_t>(i) * M_ * cfg_.dim; }
@@ -197,6 +205,7 @@ class ViT {
 
   float *params_, *grads_, *momentum_;
   bf16* params_bf16_;
+  mutable std::vector<char> fp32_read_;  // per tensor: read by p()
   float *images_;
   int* labels_;
   // forward, saved for backward

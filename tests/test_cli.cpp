@@ -120,6 +120,15 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
         std::string::npos);
   CHECK(usage_error({"--allreduce", "copy-engine", "--nccl-window", "on"}).find("--allreduce copy-engine sums fp32") !=
         std::string::npos);
+  CHECK(parse({}).shard_optimizer == "auto");
+  CHECK(parse({"--shard-optimizer", "off"}).shard_optimizer == "off");
+  CHECK(usage_error({"--shard-optimizer", "zero"}).find("unknown --shard-optimizer 'zero'; choose auto, on or off") !=
+        std::string::npos);
+  const std::string shard_conflict = "--shard-optimizer on needs the copy-engine exchange in fp32 and no --clip-grad";
+  CHECK(usage_error({"--shard-optimizer", "on", "--allreduce", "nccl"}).find(shard_conflict) != std::string::npos);
+  CHECK(usage_error({"--shard-optimizer", "on", "--reduce-dtype", "bf16"}).find(shard_conflict) != std::string::npos);
+  CHECK(usage_error({"--shard-optimizer", "on", "--nccl-window", "on"}).find(shard_conflict) != std::string::npos);
+  CHECK(usage_error({"--shard-optimizer", "on", "--clip-grad", "1"}).find(shard_conflict) != std::string::npos);
   const TrainOptions t = parse({"--gpus", "2", "--bucket-mb", "50", "--reduce-dtype", "bf16", "--clip-grad", "1.5",
                                 "--label-smoothing", "0.1", "--save", "ckpt", "--save-every", "100", "--keep", "5"});
   CHECK(t.gpus == 2);

@@ -271,6 +271,16 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
     REQUIRE(two.code == 0);
     check_same_losses(losses(one.out), losses(two.out));
     CHECK(two.out.find("identical on all 2 ranks") != std::string::npos);  // the trainer checks the checksums
+    // The default there shards the optimizer; the replicated step must give the same bits.
+    CHECK(two.out.find("optimizer   sharded (--shard-optimizer auto)") != std::string::npos);
+    const Run replicated =
+        shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --no-gemm-autotune --shard-optimizer off");
+    CAPTURE(replicated.out);
+    REQUIRE(replicated.code == 0);
+    CHECK(replicated.out.find("optimizer   sharded") == std::string::npos);
+    CHECK(losses(replicated.out) == losses(two.out));
+    REQUIRE(!weights_checksum(replicated.out).empty());
+    CHECK(weights_checksum(replicated.out) == weights_checksum(two.out));
     // With clipping (the norm of the summed gradients scales the update) the same.
     const Run one_clip = shell(kSmall + " --precision " + precision + " --gpus 1 --batch 32 --clip-grad 0.05");
     const Run two_clip = shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --clip-grad 0.05");
@@ -278,6 +288,7 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
     REQUIRE(one_clip.code == 0);
     REQUIRE(two_clip.code == 0);
     check_same_losses(losses(one_clip.out), losses(two_clip.out));
+    CHECK(two_clip.out.find("optimizer   sharded") == std::string::npos);  // the norm needs every gradient
     CHECK(losses(two_clip.out) != losses(two.out));  // the threshold bites
     const Run bf16_reduce = shell(kSmall + " --precision " + precision + " --gpus 2 --batch 16 --reduce-dtype bf16");
     CAPTURE(bf16_reduce.out);
@@ -307,6 +318,37 @@ TEST_CASE("gpu: 2 GPUs x batch B train like 1 GPU x batch 2B, in bf16 and fp8, w
       REQUIRE(!weights_checksum(other.out).empty());
       CHECK(weights_checksum(other.out) == weights_checksum(two.out));
     }
+  }
+}
+
+TEST_CASE("gpu: 2 GPUs with a sharded optimizer: a run resumed from its checkpoint gives the uninterrupted run's losses") {
+  SKIP_WITHOUT_TWO_GPUS();
+  // Each rank updates only its shares; the checkpoint must hold every rank's (weights and momentum).
+  for (const char* precision : {"bf16", "fp8"}) {
+    CAPTURE(precision);
+    const std::filesystem::path d = fresh_temp_dir(std::string("shard_resume_") + precision);
+    const std::string args = kSmall + " --steps 20 --gpus 2 --batch 16 --no-gemm-autotune --precision " + precision;
+    const Run whole = shell(args);
+    const Run first = shell("VIT_TRAIN_TEST_FAIL=0:10 " + args + " --save " + d.string() + " --save-every 10");
+    const Run rest = shell(args + " --resume " + d.string());
+    CAPTURE(whole.out);
+    CAPTURE(first.out);
+    CAPTURE(rest.out);
+    REQUIRE(whole.code == 0);
+    REQUIRE(first.code == 1);
+    REQUIRE(rest.code == 0);
+    CHECK(whole.out.find("optimizer   sharded") != std::string::npos);
+    const auto a = progress_losses(whole.out), b = progress_losses(rest.out);
+    REQUIRE(a.size() == 20);
+    REQUIRE(b.size() == 10);
+    for (int i = 0; i < 10; ++i) {
+      CAPTURE(i);
+      CHECK(b[i].first == a[10 + i].first);
+      CHECK(b[i].second == a[10 + i].second);
+    }
+    REQUIRE(!weights_checksum(whole.out).empty());
+    CHECK(weights_checksum(rest.out) == weights_checksum(whole.out));
+    std::filesystem::remove_all(d);
   }
 }
 

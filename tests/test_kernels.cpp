@@ -2,6 +2,7 @@
 // outputs poisoned first.
 #include <doctest/doctest.h>
 
+#include <cstring>
 #include <random>
 
 #include "kernels/attention.h"
@@ -301,13 +302,65 @@ TEST_CASE("gpu: SGD with momentum, torch.optim.SGD semantics, two steps") {
 }
 
 TEST_CASE("preload: the kernels first launched after start-up are registered") {
-  CHECK(late_kernels_registered() == 17);  // optimizer 1, reduce 5, fp8 scaling 5, data 3, elementwise 3
+  CHECK(late_kernels_registered() == 18);  // optimizer 2, reduce 5, fp8 scaling 5, data 3, elementwise 3
 }
 
 TEST_CASE("gpu: the kernels first launched after start-up load at start-up") {
   SKIP_WITHOUT_GPU();
   preload_late_kernels();  // throws if one cannot be loaded
   CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+TEST_CASE("gpu: the sharded SGD step gives the replicated step's bits; copy_ranges copies only its ranges") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const size_t n = 4 * 1234, stride = n + 64;
+  const int peers = 2;
+  for (bool nesterov : {false, true}) {
+    CAPTURE(nesterov);
+    const auto p = to_f32(round_f32(random_vec(rng, n))), buf = to_f32(round_f32(random_vec(rng, n)));
+    const auto g = to_f32(round_f32(random_vec(rng, n))), received = to_f32(round_f32(random_vec(rng, stride * peers)));
+    const SgdHyper h{0.1f, 0.9f, 0.05f, nesterov};
+    // Replicated: the sum first (sum_into), then the step.
+    DeviceBuffer<float> rp(p), rbuf(buf), rg(g), rrecv(received);
+    DeviceBuffer<bf16> rpb(n);
+    sum_into(rg.get(), rrecv.get(), stride, peers, n, 0);
+    sgd_momentum_step(rp.get(), rbuf.get(), rg.get(), rpb.get(), n, h, false, 0);
+    // Sharded: the sum inside the step (the bf16 copy poisoned first).
+    DeviceBuffer<float> sp(p), sbuf(buf), sg(g), srecv(received);
+    DeviceBuffer<bf16> spb(n);
+    sgd_momentum_shard(sp.get(), sbuf.get(), sg.get(), srecv.get(), stride, peers, spb.get(), n, h, false, 0);
+    CHECK(sp.download() == rp.download());
+    CHECK(sbuf.download() == rbuf.download());
+    const auto want = rpb.download(), got = spb.download();
+    CHECK(std::memcmp(got.data(), want.data(), n * sizeof(bf16)) == 0);
+    // The FP8 guard's skip: nothing changes.
+    DeviceBuffer<int> skip(std::vector<int>{1});
+    sgd_momentum_shard(sp.get(), sbuf.get(), sg.get(), srecv.get(), stride, peers, spb.get(), n, h, false, 0, skip.get());
+    CHECK(sp.download() == rp.download());
+  }
+  // copy_ranges: two destinations get src over the ranges, nothing elsewhere (still poisoned).
+  const size_t m = 300000;
+  const auto src = to_f32(random_vec(rng, m));
+  DeviceBuffer<float> dsrc(src), d0(m), d1(m);
+  const std::vector<FloatRange> ranges{{0, 3}, {1000, 1280}, {40000, 252160}, {299999, 1}};
+  DeviceBuffer<FloatRange> dranges(ranges);
+  Fp32Copies dsts{{d0.get(), d1.get()}, 2};
+  copy_ranges(dsrc.get(), dranges.get(), static_cast<int>(ranges.size()), dsts, 0);
+  for (const DeviceBuffer<float>* d : {&d0, &d1}) {
+    const auto out = d->download();
+    size_t wrong = 0;
+    for (size_t i = 0; i < m; ++i) {
+      bool inside = false;
+      for (const FloatRange& r : ranges) inside = inside || (i >= r.begin && i < r.begin + r.count);
+      float poison;
+      const unsigned bits = 0xFFFFFFFFu;
+      std::memcpy(&poison, &bits, sizeof poison);
+      const float expect = inside ? src[i] : poison;
+      wrong += std::memcmp(&out[i], &expect, sizeof(float)) != 0;
+    }
+    CHECK(wrong == 0);
+  }
 }
 
 TEST_CASE("gpu: random fills are deterministic and have the asked distribution") {
