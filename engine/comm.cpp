@@ -220,10 +220,13 @@ void GradSync::push_shares(int index) {
     const PeerGroup::Member& peer = peers_->member(p);
     const size_t begin = share_begin(b, p), n = share_end(b, p) - begin;
     float* slot = peer.receive + static_cast<size_t>(me < p ? me : me - 1) * slot_floats_ + b.slot;
+    note("push: cudaMemcpyPeerAsync(gradient share)");
     if (n) CUDA_CHECK(cudaMemcpyPeerAsync(slot, peer.device, grads_ + begin, self_->device, n * sizeof(float), push_stream_));
   }
+  note("push: cudaEventRecord(kPushed)");
   CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kPushed][index], push_stream_));
   peers_->publish(me, PeerGroup::kPushed, index, step_);
+  note("push: published");
 }
 
 void GradSync::sum_ready(bool wait) {
@@ -295,6 +298,7 @@ void GradSync::launch_from(size_t offset) {
 }
 
 void GradSync::finish() {
+  note("finish: launch_from(0)");
   launch_from(0);
   const int last = static_cast<int>(buckets_.size()) - 1;
   if (sharded_) {
@@ -303,10 +307,14 @@ void GradSync::finish() {
     // gradients this rank's own pushes read.
     for (int p = 0; p < comm_.world(); ++p) {
       if (p == comm_.rank()) continue;
+      note("finish: PeerGroup::await(peer kPushed)");
       peers_->await(p, PeerGroup::kPushed, last, step_, comm_);
+      note("finish: cudaStreamWaitEvent(compute, peer kPushed)");
       CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kPushed][last], 0));
     }
+    note("finish: cudaStreamWaitEvent(compute, own kPushed)");
     CUDA_CHECK(cudaStreamWaitEvent(compute_, self_->events[PeerGroup::kPushed][last], 0));
+    note("finish: returned");
   } else if (peers_) {
     // Every peer pushes its sums back in bucket order on one stream: the last bucket's event
     // covers them all; this rank's own sums are on its sum stream.
@@ -356,12 +364,15 @@ void GradSync::optimizer_step(const SgdHyper& h, bool first_step, const int* ski
     const size_t begin = share_begin(*b, me), n = share_end(*b, me) - begin;
     if (n == 0) continue;
     // The peers' copies of this share sit in the receive slots in their rank order, as sum_ready adds them.
+    note("optimizer: sgd_momentum_shard launch");
     sgd_momentum_shard(own.params + begin, own.momentum + begin, grads_ + begin, self_->receive + b->slot, slot_floats_,
                        world - 1, own.params_bf16 + begin, n, h, first_step, compute_, skip);
+    note("optimizer: order(compute, push)");
     comm_.order(compute_, push_stream_);
     for (int p = 0; p < world; ++p) {
       if (p == me) continue;
       const PeerGroup::Member& peer = peers_->member(p);
+      note("optimizer: cudaMemcpyPeerAsync(bf16 share)");
       CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.params_bf16 + begin, peer.device, own.params_bf16 + begin,
                                      self_->device, n * sizeof(__nv_bfloat16), push_stream_));
     }
@@ -371,17 +382,23 @@ void GradSync::optimizer_step(const SgdHyper& h, bool first_step, const int* ski
   Fp32Copies fp32_copies{};
   for (int p = 0; p < world; ++p)
     if (p != me) fp32_copies.at[fp32_copies.count++] = peers_->member(p).state.params;
+  note("optimizer: copy_ranges launch");
   copy_ranges(own.params, fp32_read_, fp32_read_count_, fp32_copies, compute_);
+  note("optimizer: order(compute, push) 2");
   comm_.order(compute_, push_stream_);
+  note("optimizer: cudaEventRecord(kUpdated)");
   // The peers' next forward reads what this rank wrote into their weights; this rank's next
   // forward reads theirs, and its next pushes overwrite what their optimizers read just now.
   CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kUpdated][0], push_stream_));
   peers_->publish(me, PeerGroup::kUpdated, 0, step_);
   for (int p = 0; p < world; ++p) {
     if (p == me) continue;
+    note("optimizer: PeerGroup::await(peer kUpdated)");
     peers_->await(p, PeerGroup::kUpdated, 0, step_, comm_);
+    note("optimizer: cudaStreamWaitEvent(compute, peer kUpdated)");
     CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kUpdated][0], 0));
   }
+  note("optimizer: returned");
 }
 
 void GradSync::gather_state() {

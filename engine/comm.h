@@ -100,6 +100,8 @@ class GradSync {
   static size_t receive_floats(size_t count, size_t bucket_floats, int ranks);
   bool copy_engines() const { return peers_ != nullptr; }
   bool sharded() const { return sharded_; }
+  // Where this rank's exchange is, call by call (a stalled run's --comm-timeout message).
+  void set_activity(std::atomic<const char*>* activity) { activity_ = activity; }
 
   void begin_step();
   void ready_from(size_t offset);
@@ -159,6 +161,10 @@ class GradSync {
   // back, which wait on the peers).
   PeerGroup* peers_ = nullptr;
   bool sharded_ = false;
+  std::atomic<const char*>* activity_ = nullptr;
+  void note(const char* what) {
+    if (activity_) activity_->store(what);
+  }
   long gathers_ = 0;  // gather_state() calls: the kShared events' sequence
   FloatRange* fp32_read_ = nullptr;  // device: this rank's shares of the fp32-read ranges
   int fp32_read_count_ = -1;         // -1: not set yet

@@ -220,6 +220,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
       std::printf("note: NCCL could not register the gradient buffer as a window (%s); all-reducing without\n",
                   sync_->window_failure().c_str());
     if (opts_.timing) sync_->enable_timing();
+    sync_->set_activity(ctx_.activity);
     Comm* comm = ctx_.comm;
     model_->set_amax_reducer([comm](float* data, int n, cudaStream_t s) { comm->all_reduce(data, n, ncclFloat32, ncclMax, s, s); });
   }
