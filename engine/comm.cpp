@@ -147,7 +147,7 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
          "GradSync: the copy-engine exchange sums fp32 gradients of every rank, outside NCCL's window");
   ENSURE(!shard || (peers && shard->grads == grads && shard->params && shard->momentum && shard->params_bf16 &&
                     comm.world() <= kMaxPeerCopies + 1),
-         "GradSync: a sharded optimizer needs the copy-engine exchange, the whole state and at most 8 ranks");
+         "GradSync: a sharded optimizer needs the copy-engine exchange, the whole state and at most 9 ranks (8 peers)");
   if (window) {
     window_ = dtype == ReduceDType::F32 ? comm.register_window(grads, count * sizeof(float), &window_failure_)
                                          : comm.register_window(staging, count * sizeof(__nv_bfloat16), &window_failure_);

@@ -196,7 +196,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   model_->set_attention_backward(opts_.attention == "single-pass" ? AttentionBackward::SinglePass
                                  : opts_.attention == "streamed"  ? AttentionBackward::Streamed
                                                                   : AttentionBackward::Auto);
-  CUDA_CHECK(cudaMalloc(&checksums_, ctx_.world * sizeof(unsigned long long)));
+  CUDA_CHECK(cudaMalloc(&checksums_, 2 * ctx_.world * sizeof(unsigned long long)));
   if (ctx_.comm) {
     if (staging && window) {
       reduce_staging_ = static_cast<__nv_bfloat16*>(nccl_alloc(staging * sizeof(__nv_bfloat16)));
@@ -306,7 +306,7 @@ void Trainer::prepare() {
   preload_late_kernels();  // the rest of a run's kernels, before the ranks wait on each other (kernels/preload.h)
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   // That pass read every fp32 weight the kernels read directly: a sharded optimizer keeps them whole.
-  if (sync_) sync_->set_fp32_read_ranges(model_->fp32_read_ranges());
+  if (sync_ && sync_->sharded()) sync_->set_fp32_read_ranges(model_->freeze_fp32_reads());
   if (ctx_.comm) {
     // Every rank done with start-up (allocations, kernel loads) before any copies into another's
     // memory or waits on another's events: a barrier.
@@ -444,19 +444,23 @@ float Trainer::mean_over_ranks(const float* device_value) {
   return host;
 }
 
-std::vector<unsigned long long> Trainer::weight_checksums() {
+Trainer::WeightChecksums Trainer::weight_checksums() {
   doing("gathering the weights' checksums");
   if (sync_) sync_->gather_state();  // a sharded optimizer's stale shares first
-  checksum(model_->params(), model_->layout().total(), checksums_ + ctx_.rank, stream_);
+  const size_t n = model_->layout().total();  // a multiple of 4: the bf16 copy is n / 2 words
+  unsigned long long *master = checksums_, *copies = checksums_ + ctx_.world;
+  checksum(model_->params(), n, master + ctx_.rank, stream_);
+  checksum(reinterpret_cast<const float*>(model_->params_bf16()), n / 2, copies + ctx_.rank, stream_);
   if (ctx_.comm) {
     ctx_.comm->order(stream_, ctx_.comm->stream());
-    ctx_.comm->all_gather(checksums_ + ctx_.rank, checksums_, 1, ncclUint64);
+    ctx_.comm->all_gather(master + ctx_.rank, master, 1, ncclUint64);
+    ctx_.comm->all_gather(copies + ctx_.rank, copies, 1, ncclUint64);
     ctx_.comm->order(ctx_.comm->stream(), stream_);
   }
-  std::vector<unsigned long long> out(ctx_.world);
-  CUDA_CHECK(cudaMemcpyAsync(out.data(), checksums_, out.size() * sizeof(out[0]), cudaMemcpyDeviceToHost, stream_));
+  std::vector<unsigned long long> both(2 * ctx_.world);
+  CUDA_CHECK(cudaMemcpyAsync(both.data(), checksums_, both.size() * sizeof(both[0]), cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return out;
+  return {{both.begin(), both.begin() + ctx_.world}, {both.begin() + ctx_.world, both.end()}};
 }
 
 void Trainer::optimizer_step(int step) {
@@ -663,18 +667,20 @@ void Trainer::train() {
     cudaEventDestroy(end[i]);
   }
 
-  // Every rank must hold the same weights: their checksums, gathered.
-  const std::vector<unsigned long long> sums = weight_checksums();
-  const bool same = std::all_of(sums.begin(), sums.end(), [&](unsigned long long c) { return c == sums[0]; });
-  if (!same) {
+  // Every rank must hold the same weights, master and bf16 copy: their checksums, gathered.
+  const WeightChecksums checksums = weight_checksums();
+  for (const auto* sums : {&checksums.master, &checksums.bf16}) {
+    if (std::all_of(sums->begin(), sums->end(), [&](unsigned long long c) { return c == (*sums)[0]; })) continue;
     std::string list;
-    for (size_t r = 0; r < sums.size(); ++r) {
+    for (size_t r = 0; r < sums->size(); ++r) {
       char b[48];
-      std::snprintf(b, sizeof b, "%s%zu: %016llx", r ? ", " : "", r, sums[r]);
+      std::snprintf(b, sizeof b, "%s%zu: %016llx", r ? ", " : "", r, (*sums)[r]);
       list += b;
     }
-    throw RuntimeError("the ranks hold different weights after the run (checksums " + list + ")");
+    throw RuntimeError(std::string("the ranks hold different ") + (sums == &checksums.master ? "weights" : "bf16 weight copies") +
+                       " after the run (checksums " + list + ")");
   }
+  const std::vector<unsigned long long>& sums = checksums.master;
   if (!logs) return;
 
   // A resumed run may have fewer steps left than the warm-up: then its last step is timed.

@@ -51,7 +51,12 @@ class Trainer {
   };
   Accuracy evaluate();
   // The master weights' checksum, gathered from every rank (rank order).
-  std::vector<unsigned long long> weight_checksums();
+  // Per rank: checksums of the fp32 master weights and of the bf16 copies the GEMMs read (with a
+  // sharded optimizer each rank's copy is written by the shares' owners, so it is checked too).
+  struct WeightChecksums {
+    std::vector<unsigned long long> master, bf16;
+  };
+  WeightChecksums weight_checksums();
 
   // One step's pieces, in order (also used by the reference dump).
   void load_batch(int step);        // the step's batch into model().images()/labels()
@@ -87,7 +92,7 @@ class Trainer {
   std::FILE* log_ = nullptr;  // --log, rank 0
   __nv_bfloat16* reduce_staging_ = nullptr;  // ncclMemAlloc'd under --nccl-window, else cudaMalloc'd
   float* scalar_ = nullptr;                   // device scratch for reduced scalars
-  unsigned long long* checksums_ = nullptr;   // device: [world]
+  unsigned long long* checksums_ = nullptr;   // device: [2][world] (master, bf16)
   cudaDeviceProp props_{};
   double peak_tflops_ = 0;
   ModelArenas arenas_;

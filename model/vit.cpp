@@ -228,7 +228,14 @@ void ViT::end_fp8_step(cudaStream_t st) {
   fp8_tally_skip(loss_, fp8_step_non_finite_, fp8_skipped_, st);
 }
 
-std::vector<std::pair<size_t, size_t>> ViT::fp32_read_ranges() const {
+void ViT::unexpected_fp32_read(int t) const {
+  throw RuntimeError("internal: " + layout_.at(t).name +
+                     " is read as fp32 weights after start-up, which a sharded optimizer does not keep whole "
+                     "(run with --shard-optimizer off)");
+}
+
+std::vector<std::pair<size_t, size_t>> ViT::freeze_fp32_reads() {
+  fp32_reads_frozen_ = true;
   std::vector<std::pair<size_t, size_t>> ranges;
   for (size_t t = 0; t < fp32_read_.size(); ++t)
     if (fp32_read_[t]) ranges.emplace_back(layout_.at(static_cast<int>(t)).offset, layout_.at(static_cast<int>(t)).numel);

@@ -66,7 +66,9 @@ class ViT {
   // [offset, offset + numel) of every tensor the kernels have read as fp32 master weights (not
   // through the bf16 copy) so far; after one forward and backward, all of them. A sharded
   // optimizer keeps these whole on every rank (biases, LayerNorm weights, embeddings: ~0.1%).
-  std::vector<std::pair<size_t, size_t>> fp32_read_ranges() const;
+  // From then on a kernel reading any other tensor in fp32 is an error (it would read weights
+  // that are stale outside this rank's shares), not a silent wrong result.
+  std::vector<std::pair<size_t, size_t>> freeze_fp32_reads();
   int batch() const { return B_; }
 
   // timm's initialisation, drawn on the device from the seed; also writes the bf16 copy and
@@ -176,9 +178,11 @@ class ViT {
 
   // Marks tensor t as read in fp32 (see fp32_read_ranges).
   const float* p(int t) const {
+    if (fp32_reads_frozen_ && !fp32_read_[t]) unexpected_fp32_read(t);
     fp32_read_[t] = 1;
     return params_ + layout_.at(t).offset;
   }
+  [[noreturn]] void unexpected_fp32_read(int t) const;
   const bf16* pb(int t) const { return params_bf16_ + layout_.at(t).offset; }
   float* g(int t) const { return grads_ + layout_.at(t).offset; }
   float* resid(int i) const { return resid_ + static_cast<size_t>(i) * M_ * cfg_.dim; }
@@ -206,6 +210,7 @@ class ViT {
   float *params_, *grads_, *momentum_;
   bf16* params_bf16_;
   mutable std::vector<char> fp32_read_;  // per tensor: read by p()
+  bool fp32_reads_frozen_ = false;
   float *images_;
   int* labels_;
   // forward, saved for backward
