@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdint>
 
 #include "engine/check.h"
 #include "engine/nvtx.h"
@@ -362,29 +361,22 @@ void GradSync::optimizer_step(const SgdHyper& h, bool first_step, const int* ski
   // the next share: stores over NVLink from inside the kernel, for all or part of each share, made
   // the step slower (BENCHMARKS.md 22).
   for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) {
-    const int index = static_cast<int>(&*b - buckets_.data());
     const size_t begin = share_begin(*b, me), n = share_end(*b, me) - begin;
-    if (n) {
-      // The peers' copies of this share sit in the receive slots in their rank order, as sum_ready adds them.
-      note("optimizer: sgd_momentum_shard launch");
-      sgd_momentum_shard(own.params + begin, own.momentum + begin, grads_ + begin, self_->receive + b->slot,
-                         slot_floats_, world - 1, own.params_bf16 + begin, n, h, first_step, compute_, skip);
-      note("optimizer: order(compute, push)");
-      comm_.order(compute_, push_stream_);
-      for (int p = 0; p < world; ++p) {
-        if (p == me) continue;
-        const PeerGroup::Member& peer = peers_->member(p);
-        note("optimizer: cudaMemcpyPeerAsync(bf16 share)");
-        CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.params_bf16 + begin, peer.device, own.params_bf16 + begin,
-                                       self_->device, n * sizeof(__nv_bfloat16), push_stream_));
-      }
+    if (n == 0) continue;
+    // The peers' copies of this share sit in the receive slots in their rank order, as sum_ready adds them.
+    note("optimizer: sgd_momentum_shard launch");
+    sgd_momentum_shard(own.params + begin, own.momentum + begin, grads_ + begin, self_->receive + b->slot, slot_floats_,
+                       world - 1, own.params_bf16 + begin, n, h, first_step, compute_, skip);
+    note("optimizer: order(compute, push)");
+    comm_.order(compute_, push_stream_);
+    for (int p = 0; p < world; ++p) {
+      if (p == me) continue;
+      const PeerGroup::Member& peer = peers_->member(p);
+      note("optimizer: cudaMemcpyPeerAsync(bf16 share)");
+      CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.params_bf16 + begin, peer.device, own.params_bf16 + begin,
+                                     self_->device, n * sizeof(__nv_bfloat16), push_stream_));
     }
-    // Every bucket's, an empty share's too: await_weights_before waits for them one by one.
-    note("optimizer: cudaEventRecord(kUpdated)");
-    CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kUpdated][index], push_stream_));
-    peers_->publish(me, PeerGroup::kUpdated, index, step_);
   }
-  arrived_from_ = buckets_.size();  // none of the peers' new weights awaited yet
   // Outside its shares a rank's fp32 weights go stale, but some kernels read those (biases,
   // LayerNorm weights, embeddings): the owner's copies keep them whole everywhere.
   Fp32Copies fp32_copies{};
@@ -392,35 +384,21 @@ void GradSync::optimizer_step(const SgdHyper& h, bool first_step, const int* ski
     if (p != me) fp32_copies.at[fp32_copies.count++] = peers_->member(p).state.params;
   note("optimizer: copy_ranges launch");
   copy_ranges(own.params, fp32_read_, fp32_read_count_, fp32_copies, compute_);
-  note("optimizer: cudaEventRecord(kStepped)");
-  // The peers' next forward reads the fp32 weights this rank wrote into theirs; this rank's next
-  // pushes (ordered after its compute stream) overwrite what their optimizers read just now.
-  CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kStepped][0], compute_));
-  peers_->publish(me, PeerGroup::kStepped, 0, step_);
+  note("optimizer: order(compute, push) 2");
+  comm_.order(compute_, push_stream_);
+  note("optimizer: cudaEventRecord(kUpdated)");
+  // The peers' next forward reads what this rank wrote into their weights; this rank's next
+  // forward reads theirs, and its next pushes overwrite what their optimizers read just now.
+  CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kUpdated][0], push_stream_));
+  peers_->publish(me, PeerGroup::kUpdated, 0, step_);
   for (int p = 0; p < world; ++p) {
     if (p == me) continue;
-    note("optimizer: PeerGroup::await(peer kStepped)");
-    peers_->await(p, PeerGroup::kStepped, 0, step_, comm_);
-    note("optimizer: cudaStreamWaitEvent(compute, peer kStepped)");
-    CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kStepped][0], 0));
+    note("optimizer: PeerGroup::await(peer kUpdated)");
+    peers_->await(p, PeerGroup::kUpdated, 0, step_, comm_);
+    note("optimizer: cudaStreamWaitEvent(compute, peer kUpdated)");
+    CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kUpdated][0], 0));
   }
   note("optimizer: returned");
-}
-
-void GradSync::await_weights_before(size_t end) {
-  if (!sharded_) return;
-  // The buckets run from the end of the buffer to its start: the highest index holds offset 0.
-  for (; arrived_from_ > 0 && buckets_[arrived_from_ - 1].begin < end; --arrived_from_) {
-    const int index = static_cast<int>(arrived_from_ - 1);
-    for (int p = 0; p < comm_.world(); ++p) {
-      if (p == comm_.rank()) continue;
-      note("weights: PeerGroup::await(peer kUpdated)");
-      peers_->await(p, PeerGroup::kUpdated, index, step_, comm_);
-      note("weights: cudaStreamWaitEvent(compute, peer kUpdated)");
-      CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kUpdated][index], 0));
-    }
-  }
-  note("weights: arrived");
 }
 
 void GradSync::gather_state() {
@@ -428,7 +406,6 @@ void GradSync::gather_state() {
   NvtxRange range("sharded optimizer: state gathered on every rank");
   const int me = comm_.rank(), world = comm_.world();
   const PeerGroup::State& own = self_->state;
-  await_weights_before(SIZE_MAX);  // the bf16 copies whole: the last step's weights from every peer
   ++gathers_;
   comm_.order(compute_, push_stream_);  // after the last step's update of the shares
   for (const Bucket& b : buckets_) {

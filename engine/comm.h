@@ -109,22 +109,17 @@ class GradSync {
   int buckets() const { return static_cast<int>(buckets_.size()); }
 
   // Sharded, after finish(): SGD on this rank's share of every bucket (its gradient plus the
-  // copies the peers pushed), each share's new bf16 weights copied into every rank's copy; then
-  // the compute stream waits for every peer's SGD. The peers' new bf16 weights arrive while the
-  // next forward runs: it awaits them group by group (await_weights_before). The fp32 weights
-  // and momentum outside this rank's shares go stale until gather_state().
+  // copies the peers pushed), the new bf16 weights written into every rank's copy; then the
+  // compute stream waits for every peer's step, so the next forward reads whole weights. The
+  // fp32 weights and momentum outside this rank's shares go stale until gather_state().
   void optimizer_step(const SgdHyper& h, bool first_step, const int* skip);
-  // Sharded: makes the compute stream wait until every peer's new bf16 weights at offsets below
-  // `end` have arrived (since the last optimizer_step; those awaited before are not awaited again).
-  // Without sharding it does nothing.
-  void await_weights_before(size_t end);
   // Sharded, before the first optimizer_step: the [offset, offset + count) ranges of the fp32
   // weights the model's kernels read directly (ViT::fp32_read_ranges); after each step every
   // rank copies its shares of them into every peer's fp32 weights.
   void set_fp32_read_ranges(const std::vector<std::pair<size_t, size_t>>& ranges);
   // Sharded: copies this rank's shares of the fp32 weights and momentum to every peer and makes
-  // the compute stream wait for the peers' copies and their last bf16 weights, so that every
-  // rank holds the whole state (for a checksum or a checkpoint). Every rank calls it; without sharding it does nothing.
+  // the compute stream wait for the peers' copies, so that every rank holds the whole state (for
+  // a checksum or a checkpoint). Every rank calls it; without sharding it does nothing.
   void gather_state();
 
   // --timing: events around each bucket on the communication stream; collect() (after the step
@@ -171,7 +166,6 @@ class GradSync {
     if (activity_) activity_->store(what);
   }
   long gathers_ = 0;  // gather_state() calls: the kShared events' sequence
-  size_t arrived_from_ = 0;  // the buckets from this index on: the peers' new bf16 weights awaited
   FloatRange* fp32_read_ = nullptr;  // device: this rank's shares of the fp32-read ranges
   int fp32_read_count_ = -1;         // -1: not set yet
   const PeerGroup::Member* self_ = nullptr;

@@ -27,11 +27,10 @@ class Comm;
 class PeerGroup {
  public:
   // Events each rank records, per bucket: its pushes of that bucket done; its sums of its shares
-  // pushed back to every peer. With the optimizer sharded: its share of the bucket updated and
-  // its new bf16 weights written into every peer's copy (per bucket); and, bucket 0's event only,
-  // its shares' fp32 weights and momentum copied to every peer (gather_state); its optimizer done
-  // reading the peers' pushes and its fp32-read weights copied to every peer.
-  enum Stage { kPushed = 0, kGathered = 1, kUpdated = 2, kShared = 3, kStepped = 4, kStages = 5 };
+  // pushed back to every peer. With the optimizer sharded (bucket 0's event only): its shares
+  // updated and their bf16 weights written into every peer's copy; its shares' fp32 weights and
+  // momentum copied to every peer (gather_state).
+  enum Stage { kPushed = 0, kGathered = 1, kUpdated = 2, kShared = 3, kStages = 4 };
   // The rank's training state, whole (its model's buffers).
   struct State {
     float* grads = nullptr;

@@ -306,10 +306,7 @@ void Trainer::prepare() {
   preload_late_kernels();  // the rest of a run's kernels, before the ranks wait on each other (kernels/preload.h)
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   // That pass read every fp32 weight the kernels read directly: a sharded optimizer keeps them whole.
-  if (sync_ && sync_->sharded()) {
-    sync_->set_fp32_read_ranges(model_->freeze_fp32_reads());
-    model_->set_weights_gate([this](size_t end) { sync_->await_weights_before(end); });
-  }
+  if (sync_ && sync_->sharded()) sync_->set_fp32_read_ranges(model_->freeze_fp32_reads());
   if (ctx_.comm) {
     // Every rank done with start-up (allocations, kernel loads) before any copies into another's
     // memory or waits on another's events: a barrier.
@@ -382,7 +379,7 @@ void Trainer::print_summary() const {
                 sync_->windowed() ? ", in a registered NCCL window" : "");
   if (sync_ && sync_->sharded())
     std::printf("  optimizer   sharded (--shard-optimizer %s): each rank sums and updates its share of every bucket\n"
-                "              and copies its new bf16 weights to every rank, which the next forward awaits block by block\n",
+                "              and writes the new bf16 weights into every rank's copy over NVLink\n",
                 opts_.shard_optimizer.c_str());
   std::printf("  training    batch %d%s, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",
               opts_.batch, ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, schedule_.describe().c_str(), opts_.momentum, opts_.weight_decay,
@@ -467,7 +464,7 @@ Trainer::WeightChecksums Trainer::weight_checksums() {
 }
 
 void Trainer::optimizer_step(int step) {
-  doing("optimizer step (sharded: then waiting for the peers' SGD)");
+  doing("optimizer step (sharded: then waiting for the peers' weights)");
   NvtxRange range("optimizer");
   auto phase = timer_->phase(Phase::Optimizer, stream_);
   {
@@ -483,18 +480,7 @@ void Trainer::optimizer_step(int step) {
                         model_->layout().total(), h, step == 0, stream_, model_->fp8_step_non_finite(), grad_norm_);
     }
   }
-  // The next forward's FP8 weights. Sharded, group by group as the peers' new weights arrive: the
-  // first blocks' casts run while the last blocks' weights are still on their way. (In bf16 the
-  // forward itself awaits them, group by group.)
-  if (sync_ && sync_->sharded() && model_->precision() == Precision::FP8) {
-    doing("optimizer step: FP8 weight casts as the peers' weights arrive");
-    for (int g = 0; g < model_->weight_groups(); ++g) {
-      sync_->await_weights_before(model_->weight_group_end(g));
-      model_->cast_fp8_weights(g, stream_, timer_.get());
-    }
-  } else {
-    model_->cast_fp8_weights(stream_, timer_.get());
-  }
+  model_->cast_fp8_weights(stream_, timer_.get());  // the next forward's FP8 weights
 }
 
 Trainer::Accuracy Trainer::evaluate() {

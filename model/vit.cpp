@@ -265,34 +265,12 @@ void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {
                           Fp8Out{Fp8Kind::E4M3, &m->scale, L0.w8, L0.w8t, &m->amax, stats(m)}, strides, cfg_.depth, st);
       continue;
     }
-    for (int l = 0; l < cfg_.depth; ++l) cast_fp8_weight(l, Lin(lin), st);
+    for (int l = 0; l < cfg_.depth; ++l) {
+      const Linear& L = linears_[l][lin];
+      produce_fp8(meta(l, Lin(lin), kWeight), Fp8Kind::E4M3, L.w8, L.w8t, st,
+                  [&](const Fp8Out& o) { cast_to_fp8(pb(L.w), L.n, L.k, o, st); });
+    }
   }
-}
-
-void ViT::cast_fp8_weight(int l, Lin lin, cudaStream_t st) {
-  const Linear& L = linears_[l][lin];
-  produce_fp8(meta(l, lin, kWeight), Fp8Kind::E4M3, L.w8, L.w8t, st,
-              [&](const Fp8Out& o) { cast_to_fp8(pb(L.w), L.n, L.k, o, st); });
-}
-
-void ViT::cast_fp8_weights(int group, cudaStream_t st, OpTimer* timer) {
-  ENSURE(group >= 0 && group < weight_groups(), "ViT::cast_fp8_weights: no such weight group");
-  if (precision_ != Precision::FP8 || group == 0 || group > cfg_.depth) return;
-  NvtxRange range("fp8 weight casts");
-  OpTimer untimed(false);
-  auto t = (timer ? *timer : untimed).op(OpKind::Fp8Cast, st);
-  for (int lin = 0; lin < 4; ++lin) cast_fp8_weight(group - 1, Lin(lin), st);
-}
-
-size_t ViT::weight_group_end(int group) const {
-  ENSURE(group >= 0 && group < weight_groups(), "ViT::weight_group_end: no such weight group");
-  if (group == weight_groups() - 1) return layout_.total();
-  const ParamTensor& last = layout_.at(group == 0 ? layout_.patch_b : layout_.blocks[group - 1].fc2_b);
-  return last.offset + last.numel;
-}
-
-void ViT::await_weights(int group) const {
-  if (weights_gate_) weights_gate_(weight_group_end(group));
 }
 
 void ViT::set_fp8_counting(bool on, cudaStream_t st) {
@@ -355,7 +333,6 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   const int D = cfg_.dim, P = cfg_.patches(), BP = B_ * P;
   {
     NvtxRange r("patch_embed");
-    await_weights(0);
     { auto t = timer.op(OpKind::Embed, st); patchify(images_, patches_, B_, cfg_.channels, cfg_.img, cfg_.patch, st); }
     { auto t = timer.op(OpKind::Gemm, st);
       gemm.linear_forward(patches_, pb(layout_.patch_w), p(layout_.patch_b), nullptr, patch_out_, DType::F32, BP, D,
@@ -365,13 +342,11 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   }
   for (int l = 0; l < cfg_.depth; ++l) {
     NvtxRange r(nvtx_forward_[l].c_str());
-    await_weights(l + 1);
     if (precision_ == Precision::FP8) forward_block_fp8(l, st, gemm, timer);
     else forward_block_bf16(l, st, gemm, timer);
   }
   {
     NvtxRange r("head and loss");
-    await_weights(cfg_.depth + 1);
     // Only the class token reaches the head, so the final LayerNorm runs on those B rows alone.
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_forward(resid(2 * cfg_.depth), T_ * D, p(layout_.norm_w), p(layout_.norm_b), lnf_, lnf_mean_,

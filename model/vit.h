@@ -87,16 +87,6 @@ class ViT {
   void begin_fp8_step(cudaStream_t stream);
   void end_fp8_step(cudaStream_t stream);
   void cast_fp8_weights(cudaStream_t stream, OpTimer* timer = nullptr);
-  // The forward reads the weights in layout order, in weight_groups() groups: the patch
-  // embedding, each block, the final norm and head. Before group g it calls gate(end), end the
-  // offset past the group's weights, if a gate is set: a sharded optimizer's weights still on
-  // their way from the peers are awaited only where the forward needs them.
-  int weight_groups() const { return cfg_.depth + 2; }
-  size_t weight_group_end(int group) const;
-  void set_weights_gate(std::function<void(size_t)> gate) { weights_gate_ = std::move(gate); }
-  // cast_fp8_weights for one group's weights only (a block's four Linear layers; the other
-  // groups have no FP8 weights): the same casts, the same bits.
-  void cast_fp8_weights(int group, cudaStream_t stream, OpTimer* timer = nullptr);
   bool prime_fp8_scales(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
   const int* fp8_step_non_finite() const { return fp8_step_non_finite_; }
   const int* fp8_skipped_steps() const { return fp8_skipped_; }  // [total, in a row]
@@ -162,8 +152,6 @@ class ViT {
     int w, b, n, k;  // weight [n, k] and bias [n] tensor indices
     uint8_t *w8 = nullptr, *w8t = nullptr;
   };
-  void cast_fp8_weight(int l, Lin lin, cudaStream_t st);  // its two FP8 copies, under the recipe
-  void await_weights(int group) const;                   // the gate, if set, for the group's weights
   void forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
   void forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
   void backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
@@ -214,7 +202,6 @@ class ViT {
   int gradient_ranks_ = 1;
   unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting
   std::function<void(float*, int, cudaStream_t)> amax_reduce_;
-  std::function<void(size_t)> weights_gate_;
   float* fp8_amax_reduce_ = nullptr;  // the step's amaxes and a bad-step flag, gathered for the reduce
   // FP8 operands of the products at hand: a forward input (or, in the backward, its recomputed
   // transposed copy), and two output gradients' copies (fc2's live on while fc1's are made).
