@@ -357,6 +357,7 @@ TEST_CASE("gpu: a sharded optimizer over many buckets, with evaluations between 
   // Each rank's shares lie in every bucket: a model of 4 blocks in 1 MB buckets spreads the
   // weights over 4, and the evaluations between steps read the weights the peers updated.
   const std::filesystem::path d = fresh_temp_dir("shard_eval");
+  std::filesystem::create_directories(d);
   auto write_idx = [&](const std::string& stem, int n) {
     std::vector<uint8_t> images{0, 0, 8, 3, 0, 0, static_cast<uint8_t>(n >> 8), static_cast<uint8_t>(n), 0, 0, 0, 28, 0, 0, 0, 28};
     std::vector<uint8_t> labels{0, 0, 8, 1, 0, 0, static_cast<uint8_t>(n >> 8), static_cast<uint8_t>(n)};
