@@ -41,6 +41,7 @@ class OpTimer {
   // Table of mean ms per step by op kind and by phase over the counted steps.
   std::string report() const;
   double mean_ms(OpKind k) const { return steps_ ? op_ms_[static_cast<int>(k)] / steps_ : 0.0; }
+  double mean_ms(Phase p) const { return steps_ ? phase_ms_[static_cast<int>(p)] / steps_ : 0.0; }
 
  private:
   friend class Scope;

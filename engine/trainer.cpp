@@ -197,6 +197,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
                                  : opts_.attention == "streamed"  ? AttentionBackward::Streamed
                                                                   : AttentionBackward::Auto);
   CUDA_CHECK(cudaMalloc(&checksums_, 2 * ctx_.world * sizeof(unsigned long long)));
+  if (opts_.timing && ctx_.world > 1) CUDA_CHECK(cudaMalloc(&rank_timings_, 4 * ctx_.world * sizeof(float)));
   if (ctx_.comm) {
     if (staging && window) {
       reduce_staging_ = static_cast<__nv_bfloat16*>(nccl_alloc(staging * sizeof(__nv_bfloat16)));
@@ -333,6 +334,7 @@ Trainer::~Trainer() {
   cudaFree(grad_norm_);
   cudaFree(norm_partial_);
   cudaFree(checksums_);
+  cudaFree(rank_timings_);
   if (ctx_.comm && opts_.nccl_window)  // allocated as the constructor chose
     nccl_free(reduce_staging_);
   else
@@ -442,6 +444,22 @@ float Trainer::mean_over_ranks(const float* device_value) {
   CUDA_CHECK(cudaMemcpyAsync(&host, device_value, sizeof(float), cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   return host;
+}
+
+std::vector<float> Trainer::rank_timings() {
+  doing("gathering the ranks' phase times");
+  const float mine[4] = {static_cast<float>(timer_->mean_ms(Phase::Forward)),
+                         static_cast<float>(timer_->mean_ms(Phase::Backward)),
+                         static_cast<float>(timer_->mean_ms(Phase::Optimizer)),
+                         static_cast<float>(timer_->mean_ms(OpKind::CommWait))};
+  CUDA_CHECK(cudaMemcpyAsync(rank_timings_ + 4 * ctx_.rank, mine, sizeof mine, cudaMemcpyHostToDevice, stream_));
+  ctx_.comm->order(stream_, ctx_.comm->stream());
+  ctx_.comm->all_gather(rank_timings_ + 4 * ctx_.rank, rank_timings_, 4, ncclFloat32);
+  ctx_.comm->order(ctx_.comm->stream(), stream_);
+  std::vector<float> all(4 * ctx_.world);
+  CUDA_CHECK(cudaMemcpyAsync(all.data(), rank_timings_, all.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return all;
 }
 
 Trainer::WeightChecksums Trainer::weight_checksums() {
@@ -681,6 +699,7 @@ void Trainer::train() {
                        " after the run (checksums " + list + ")");
   }
   const std::vector<unsigned long long>& sums = checksums.master;
+  const std::vector<float> per_rank = rank_timings_ && ctx_.comm ? rank_timings() : std::vector<float>();
   if (!logs) return;
 
   // A resumed run may have fewer steps left than the warm-up: then its last step is timed.
@@ -699,6 +718,12 @@ void Trainer::train() {
     std::printf("  gradient all-reduce: %.3f ms/step on the communication stream, %.3f ms of it exposed (the compute "
                 "stream waiting): %.1f%% hidden behind the backward\n",
                 busy, exposed, busy > 0 ? 100.0 * std::max(0.0, busy - exposed) / busy : 0.0);
+  }
+  if (!per_rank.empty()) {  // a rank that waits long at the end of its backward waits for a slower one
+    std::printf("  per rank (ms/step)    forward   backward  optimizer   waiting for the peers' gradients\n");
+    for (int r = 0; r < ctx_.world; ++r)
+      std::printf("  rank %-14d %9.3f %10.3f %10.3f %10.3f\n", r, per_rank[4 * r], per_rank[4 * r + 1], per_rank[4 * r + 2],
+                  per_rank[4 * r + 3]);
   }
   std::printf("\nweights: checksum %016llx%s\n", sums[0],
               ctx_.world > 1 ? (", identical on all " + std::to_string(ctx_.world) + " ranks").c_str() : "");

@@ -57,6 +57,9 @@ class Trainer {
     std::vector<unsigned long long> master, bf16;
   };
   WeightChecksums weight_checksums();
+  // --timing on several ranks: every rank's mean phase times and exposed wait, [rank][4] (every
+  // rank calls it: a collective).
+  std::vector<float> rank_timings();
 
   // One step's pieces, in order (also used by the reference dump).
   void load_batch(int step);        // the step's batch into model().images()/labels()
@@ -93,6 +96,7 @@ class Trainer {
   __nv_bfloat16* reduce_staging_ = nullptr;  // ncclMemAlloc'd under --nccl-window, else cudaMalloc'd
   float* scalar_ = nullptr;                   // device scratch for reduced scalars
   unsigned long long* checksums_ = nullptr;   // device: [2][world] (master, bf16)
+  float* rank_timings_ = nullptr;             // device: [world][4] (--timing, several ranks)
   cudaDeviceProp props_{};
   double peak_tflops_ = 0;
   ModelArenas arenas_;

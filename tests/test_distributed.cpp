@@ -399,6 +399,13 @@ TEST_CASE("gpu: a sharded optimizer over many buckets, with evaluations between 
     REQUIRE(!weights_checksum(sharded.out).empty());
     CHECK(weights_checksum(sharded.out) == weights_checksum(replicated.out));
     CHECK(sharded.out.find("identical on all 2 ranks") != std::string::npos);
+    // --timing on two ranks: each rank's phases, gathered.
+    const Run timed = shell(args + " --timing");
+    CAPTURE(timed.out);
+    REQUIRE(timed.code == 0);
+    CHECK(timed.out.find("per rank (ms/step)") != std::string::npos);
+    CHECK(timed.out.find("  rank 0 ") != std::string::npos);
+    CHECK(timed.out.find("  rank 1 ") != std::string::npos);
   }
   std::filesystem::remove_all(d);
 }
