@@ -403,6 +403,10 @@ void GradSync::optimizer_step(const SgdHyper& h, bool first_step, const int* ski
 
 void GradSync::gather_state() {
   if (!sharded_) return;
+  // Whole already if no step updated the shares since the last gather (a checkpoint, then the
+  // checksums): nothing to copy, and no second round of copies into what the first is still read from.
+  if (gathered_at_ == step_) return;
+  gathered_at_ = step_;
   NvtxRange range("sharded optimizer: state gathered on every rank");
   const int me = comm_.rank(), world = comm_.world();
   const PeerGroup::State& own = self_->state;

@@ -119,7 +119,8 @@ class GradSync {
   void set_fp32_read_ranges(const std::vector<std::pair<size_t, size_t>>& ranges);
   // Sharded: copies this rank's shares of the fp32 weights and momentum to every peer and makes
   // the compute stream wait for the peers' copies, so that every rank holds the whole state (for
-  // a checksum or a checkpoint). Every rank calls it; without sharding it does nothing.
+  // a checksum or a checkpoint). Every rank calls it; without sharding, or with no step since
+  // the last call, it does nothing.
   void gather_state();
 
   // --timing: events around each bucket on the communication stream; collect() (after the step
@@ -165,7 +166,8 @@ class GradSync {
   void note(const char* what) {
     if (activity_) activity_->store(what);
   }
-  long gathers_ = 0;  // gather_state() calls: the kShared events' sequence
+  long gathers_ = 0;        // gathers made: the kShared events' sequence
+  long gathered_at_ = -1;   // step_ at the last gather
   FloatRange* fp32_read_ = nullptr;  // device: this rank's shares of the fp32-read ranges
   int fp32_read_count_ = -1;         // -1: not set yet
   const PeerGroup::Member* self_ = nullptr;

@@ -207,8 +207,10 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     model_->set_gradient_ranks(ctx_.world);
     // The optimizer sharded where the copy engines sum the gradients (--shard-optimizer auto): each
     // rank updates only its share of every bucket, which halves the exchange's traffic and splits the
-    // optimizer's. Clipping needs the whole gradient's norm on every rank: not sharded then.
-    const bool shard = ctx_.peers && opts_.shard_optimizer != "off" && opts_.clip_grad == 0;
+    // optimizer's. Clipping needs the whole gradient's norm on every rank: not sharded then; nor
+    // beyond the peers one SGD launch copies its fp32-read weights to (auto: replicated then).
+    const bool shard = ctx_.peers && opts_.shard_optimizer != "off" && opts_.clip_grad == 0 &&
+                       ctx_.world <= kMaxPeerCopies + 1;
     PeerGroup::State state;
     state.grads = model_->grads();
     state.params = model_->params();
@@ -226,8 +228,8 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     model_->set_amax_reducer([comm](float* data, int n, cudaStream_t s) { comm->all_reduce(data, n, ncclFloat32, ncclMax, s, s); });
   }
   if (opts_.shard_optimizer == "on" && !(sync_ && sync_->sharded()))
-    throw UsageError("--shard-optimizer on needs the copy-engine exchange: two or more GPUs of this process that "
-                     "reach each other's memory");
+    throw UsageError("--shard-optimizer on needs the copy-engine exchange: two to " + std::to_string(kMaxPeerCopies + 1) +
+                     " GPUs of this process that reach each other's memory");
 
   if (fashion_) {
     train_loader_ = std::make_unique<DataLoader>(fashion_->train, opts_.batch, FashionMnist::kMean, FashionMnist::kStd,
