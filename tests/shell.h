@@ -46,7 +46,41 @@ inline std::vector<std::pair<int, double>> progress_losses(const std::string& ou
   return v;
 }
 
-// An empty directory of this test process's own under the system's temporary one.
+// A run of vit_train `args` stopped by a failure injected at the start of step `stop` + 1, after
+// its checkpoints (`save_flags`) into dir; the same run resumed from there; and the run whole.
+struct InterruptedRun {
+  CommandResult whole, first, rest;
+};
+inline InterruptedRun run_interrupted_and_resumed(const std::string& args, const std::string& dir, int stop,
+                                                  const std::string& save_flags) {
+  return {run_command(args),
+          run_command("VIT_TRAIN_TEST_FAIL=0:" + std::to_string(stop) + " " + args + " --save " + dir + " " + save_flags),
+          run_command(args + " --resume " + dir)};
+}
+
+// In a doctest test: the three runs' outputs shown with any failure; the whole and the resumed
+// run exit 0, the interrupted one 1.
+#define REQUIRE_INTERRUPTED_AND_RESUMED(r) \
+  CAPTURE((r).whole.out);                  \
+  CAPTURE((r).first.out);                  \
+  CAPTURE((r).rest.out);                   \
+  REQUIRE((r).whole.code == 0);            \
+  REQUIRE((r).first.code == 1);            \
+  REQUIRE((r).rest.code == 0)
+
+// Where the resumed run's progress lines (step, loss) part from the whole run's after `stop`
+// steps of `steps`, bit for bit; empty if nowhere.
+inline std::string resumed_losses_mismatch(const InterruptedRun& r, int steps, int stop) {
+  const auto a = progress_losses(r.whole.out), b = progress_losses(r.rest.out);
+  if (a.size() != size_t(steps) || b.size() != size_t(steps - stop))
+    return std::to_string(a.size()) + " progress lines whole and " + std::to_string(b.size()) + " resumed";
+  for (size_t i = 0; i < b.size(); ++i)
+    if (b[i] != a[stop + i]) return "step " + std::to_string(a[stop + i].first) + " differs";
+  return "";
+}
+
+// A path of this test process's own under the system's temporary directory, removed if it
+// existed (not created: pack_images and --save create theirs).
 inline std::filesystem::path fresh_temp_dir(const std::string& tag) {
   const std::filesystem::path p =
       std::filesystem::temp_directory_path() / ("vit_test_" + tag + "_" + std::to_string(::getpid()));

@@ -328,26 +328,12 @@ TEST_CASE("gpu: 2 GPUs with a sharded optimizer: a run resumed from its checkpoi
     CAPTURE(precision);
     const std::filesystem::path d = fresh_temp_dir(std::string("shard_resume_") + precision);
     const std::string args = kSmall + " --steps 20 --gpus 2 --batch 16 --no-gemm-autotune --precision " + precision;
-    const Run whole = shell(args);
-    const Run first = shell("VIT_TRAIN_TEST_FAIL=0:10 " + args + " --save " + d.string() + " --save-every 10");
-    const Run rest = shell(args + " --resume " + d.string());
-    CAPTURE(whole.out);
-    CAPTURE(first.out);
-    CAPTURE(rest.out);
-    REQUIRE(whole.code == 0);
-    REQUIRE(first.code == 1);
-    REQUIRE(rest.code == 0);
-    CHECK(whole.out.find("optimizer   sharded") != std::string::npos);
-    const auto a = progress_losses(whole.out), b = progress_losses(rest.out);
-    REQUIRE(a.size() == 20);
-    REQUIRE(b.size() == 10);
-    for (int i = 0; i < 10; ++i) {
-      CAPTURE(i);
-      CHECK(b[i].first == a[10 + i].first);
-      CHECK(b[i].second == a[10 + i].second);
-    }
-    REQUIRE(!weights_checksum(whole.out).empty());
-    CHECK(weights_checksum(rest.out) == weights_checksum(whole.out));
+    const InterruptedRun r = run_interrupted_and_resumed(args, d.string(), 10, "--save-every 10");
+    REQUIRE_INTERRUPTED_AND_RESUMED(r);
+    CHECK(r.whole.out.find("optimizer   sharded") != std::string::npos);
+    CHECK(resumed_losses_mismatch(r, 20, 10) == "");
+    REQUIRE(!weights_checksum(r.whole.out).empty());
+    CHECK(weights_checksum(r.rest.out) == weights_checksum(r.whole.out));
     std::filesystem::remove_all(d);
   }
 }
