@@ -5,10 +5,13 @@
 #      each run checking that every rank ends with the same weights (the trainer compares the
 #      ranks' checksums and prints "identical on all K ranks"); on N GPUs also with
 #      --allreduce nccl (the default between GPUs of one process is the copy-engine exchange)
-#   3. PyTorch DDP (timm's model, bf16 autocast, batch on the GPU) on N GPUs, and eager on 1
-#   4. a failure injected into the last rank at step 5 of an N-GPU run: the run must stop with
+#   3. each card alone in each precision (a K-GPU step waits for the slowest of its K cards),
+#      and an N-GPU --timing run per precision (every rank's phases and wait)
+#   4. PyTorch DDP (timm's model, bf16 autocast, batch on the GPU) on N GPUs, and eager on 1
+#   5. a failure injected into the last rank at step 5 of an N-GPU run: the run must stop with
 #      exit 1 and a message naming that rank, within 60 s
-# then a table: step time, images/s in total, scaling against 1 GPU, ratio to PyTorch DDP.
+# then a table: step time, images/s in total, scaling against 1 GPU (card 0) and against the
+# slowest card of the run, ratio to PyTorch DDP.
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/headline).
 #
 # Usage: tools/headline_round.sh [N]   (default: every GPU nvidia-smi lists)
@@ -64,6 +67,23 @@ for p in $PRECISIONS; do
   grep -E "^RESULT|identical on all" "$log"
 done
 
+read -ra CARDS <<< "$(echo "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((N - 1)))}" | tr , ' ')"
+for p in $PRECISIONS; do
+  printf "== engine %s, each card alone:" "$p"
+  for i in $(seq 0 $((N - 1))); do
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=${CARDS[$i]} ./vit_train --batch 64 --precision "$p" --steps $((STEPS + WARMUP)) \
+      --warmup "$WARMUP" ${ENGINE_FLAGS:-} > "$LOG_DIR/card_${p}_$i.log" 2>&1 || status=1
+    printf " %s" "$(field "$LOG_DIR/card_${p}_$i.log" engine step_ms)"
+  done
+  echo
+  echo "== engine $p on $N GPUs, --timing"
+  # shellcheck disable=SC2086
+  ./vit_train --batch 64 --precision "$p" --gpus "$N" --steps 15 --warmup 5 --timing ${ENGINE_FLAGS:-} \
+    > "$LOG_DIR/timing_${p}_$N.log" 2>&1 || status=1
+  grep -E "gradient all-reduce|per rank|^  rank " "$LOG_DIR/timing_${p}_$N.log"
+done
+
 echo "== PyTorch eager, 1 GPU"
 python3 tools/pytorch_baseline.py --batch 64 --steps "$STEPS" --warmup "$WARMUP" > "$LOG_DIR/pytorch_1.log" 2>&1 ||
   status=1
@@ -88,20 +108,21 @@ fi
 ddp=$(field "$LOG_DIR/pytorch_$N.log" pytorch_ddp step_ms)
 printf "\n== ViT-H/16, batch 64 per GPU, median of %d steps after %d warm-up (PyTorch DDP on %d GPUs: %s ms)\n" \
   "$STEPS" "$WARMUP" "$N" "$ddp"
-printf "%-9s %5s %10s %14s %9s %14s\n" "" "GPUs" "step ms" "images/s" "scaling" "vs DDP (step)"
+printf "%-9s %5s %10s %14s %9s %11s %14s\n" "" "GPUs" "step ms" "images/s" "scaling" "vs slowest" "vs DDP (step)"
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "-" || b == "-" || a == "" || b == "") print "-"; else printf "%.3f", a / b }'; }
+slowest() {  # slowest PRECISION K: the largest step time of cards 0..K-1 alone
+  for i in $(seq 0 $(($2 - 1))); do field "$LOG_DIR/card_${1}_$i.log" engine step_ms; done | grep -v '^-$' | sort -g | tail -1
+}
 for p in $PRECISIONS; do
   one=$(field "$LOG_DIR/engine_${p}_1.log" engine step_ms)
   for k in $counts; do
     ms=$(field "$LOG_DIR/engine_${p}_$k.log" engine step_ms)
-    img=$(field "$LOG_DIR/engine_${p}_$k.log" engine img_s)
-    scale=$(awk -v a="$one" -v b="$ms" 'BEGIN { if (a == "-" || b == "-") print "-"; else printf "%.3f", a / b }')
     vs=$(awk -v a="$ms" -v b="$ddp" -v k="$k" -v n="$N" 'BEGIN { if (k != n || a == "-" || b == "-") print ""; else printf "%.3fx", a / b }')
-    printf "%-9s %5d %10s %14s %9s %14s\n" "$p" "$k" "$ms" "$img" "$scale" "$vs"
+    printf "%-9s %5d %10s %14s %9s %11s %14s\n" "$p" "$k" "$ms" "$(field "$LOG_DIR/engine_${p}_$k.log" engine img_s)" \
+      "$(ratio "$one" "$ms")" "$(ratio "$(slowest "$p" "$k")" "$ms")" "$vs"
   done
   ms=$(field "$LOG_DIR/engine_${p}_${N}_nccl.log" engine step_ms)
-  scale=$(awk -v a="$one" -v b="$ms" 'BEGIN { if (a == "-" || b == "-") print "-"; else printf "%.3f", a / b }')
-  vs=$(awk -v a="$ms" -v b="$ddp" 'BEGIN { if (a == "-" || b == "-") print ""; else printf "%.3fx", a / b }')
-  printf "%-9s %5d %10s %14s %9s %14s\n" "$p nccl" "$N" "$ms" "$(field "$LOG_DIR/engine_${p}_${N}_nccl.log" engine img_s)" \
-    "$scale" "$vs"
+  printf "%-9s %5d %10s %14s %9s %11s %14s\n" "$p nccl" "$N" "$ms" "$(field "$LOG_DIR/engine_${p}_${N}_nccl.log" engine img_s)" \
+    "$(ratio "$one" "$ms")" "$(ratio "$(slowest "$p" "$N")" "$ms")" "$(ratio "$ms" "$ddp" | sed 's/[0-9]$/&x/')"
 done
 exit $status
