@@ -410,7 +410,6 @@ void GradSync::gather_state() {
   NvtxRange range("sharded optimizer: state gathered on every rank");
   const int me = comm_.rank(), world = comm_.world();
   const PeerGroup::State& own = self_->state;
-  ++gathers_;
   comm_.order(compute_, push_stream_);  // after the last step's update of the shares
   for (const Bucket& b : buckets_) {
     const size_t begin = share_begin(b, me), n = share_end(b, me) - begin;
@@ -424,12 +423,12 @@ void GradSync::gather_state() {
     }
   }
   CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kShared][0], push_stream_));
-  peers_->publish(me, PeerGroup::kShared, 0, gathers_);
+  peers_->publish(me, PeerGroup::kShared, 0, gathered_at_);
   // The next update of this rank's shares waits for its copies to have read them.
   CUDA_CHECK(cudaStreamWaitEvent(compute_, self_->events[PeerGroup::kShared][0], 0));
   for (int p = 0; p < world; ++p) {
     if (p == me) continue;
-    peers_->await(p, PeerGroup::kShared, 0, gathers_, comm_);
+    peers_->await(p, PeerGroup::kShared, 0, gathered_at_, comm_);
     CUDA_CHECK(cudaStreamWaitEvent(compute_, peers_->member(p).events[PeerGroup::kShared][0], 0));
   }
 }

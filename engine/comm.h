@@ -166,8 +166,7 @@ class GradSync {
   void note(const char* what) {
     if (activity_) activity_->store(what);
   }
-  long gathers_ = 0;        // gathers made: the kShared events' sequence
-  long gathered_at_ = -1;   // step_ at the last gather
+  long gathered_at_ = -1;  // step_ at the last gather: at most one a step, so it sequences kShared
   FloatRange* fp32_read_ = nullptr;  // device: this rank's shares of the fp32-read ranges
   int fp32_read_count_ = -1;         // -1: not set yet
   const PeerGroup::Member* self_ = nullptr;

@@ -156,9 +156,10 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   // Everything the run needs, checked against free memory before anything is allocated.
   gemm_workspace_ = kGemmWorkspace;
   const ReduceDType reduce_dtype = opts_.reduce_dtype == "bf16" ? ReduceDType::BF16 : ReduceDType::F32;
-  const size_t staging = ctx_.comm ? GradSync::staging_elements(ParamLayout(cfg).total(), reduce_dtype) : 0;
+  const size_t param_floats = ParamLayout(cfg).total();
+  const size_t staging = ctx_.comm ? GradSync::staging_elements(param_floats, reduce_dtype) : 0;
   const size_t bucket_floats = std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float));
-  const size_t receive = ctx_.peers ? GradSync::receive_floats(ParamLayout(cfg).total(), bucket_floats, ctx_.world) : 0;
+  const size_t receive = ctx_.peers ? GradSync::receive_floats(param_floats, bucket_floats, ctx_.world) : 0;
   const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspace_ + staging * sizeof(__nv_bfloat16) +
                       receive * sizeof(float);
   size_t free_b = 0, total_b = 0;
@@ -383,7 +384,7 @@ void Trainer::print_summary() const {
                 sync_->windowed() ? ", in a registered NCCL window" : "");
   if (sync_ && sync_->sharded())
     std::printf("  optimizer   sharded (--shard-optimizer %s): each rank sums and updates its share of every bucket\n"
-                "              and writes the new bf16 weights into every rank's copy over NVLink\n",
+                "              and copies its new bf16 weights to every rank through the copy engines\n",
                 opts_.shard_optimizer.c_str());
   std::printf("  training    batch %d%s, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",
               opts_.batch, ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, schedule_.describe().c_str(), opts_.momentum, opts_.weight_decay,
@@ -468,19 +469,23 @@ Trainer::WeightChecksums Trainer::weight_checksums() {
   doing("gathering the weights' checksums");
   if (sync_) sync_->gather_state();  // a sharded optimizer's stale shares first
   const size_t n = model_->layout().total();  // a multiple of 4: the bf16 copy is n / 2 words
-  unsigned long long *master = checksums_, *copies = checksums_ + ctx_.world;
-  checksum(model_->params(), n, master + ctx_.rank, stream_);
-  checksum(reinterpret_cast<const float*>(model_->params_bf16()), n / 2, copies + ctx_.rank, stream_);
+  unsigned long long* mine = checksums_ + 2 * ctx_.rank;
+  checksum(model_->params(), n, mine, stream_);
+  checksum(reinterpret_cast<const float*>(model_->params_bf16()), n / 2, mine + 1, stream_);
   if (ctx_.comm) {
     ctx_.comm->order(stream_, ctx_.comm->stream());
-    ctx_.comm->all_gather(master + ctx_.rank, master, 1, ncclUint64);
-    ctx_.comm->all_gather(copies + ctx_.rank, copies, 1, ncclUint64);
+    ctx_.comm->all_gather(mine, checksums_, 2, ncclUint64);
     ctx_.comm->order(ctx_.comm->stream(), stream_);
   }
-  std::vector<unsigned long long> both(2 * ctx_.world);
-  CUDA_CHECK(cudaMemcpyAsync(both.data(), checksums_, both.size() * sizeof(both[0]), cudaMemcpyDeviceToHost, stream_));
+  std::vector<unsigned long long> all(2 * ctx_.world);
+  CUDA_CHECK(cudaMemcpyAsync(all.data(), checksums_, all.size() * sizeof(all[0]), cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return {{both.begin(), both.begin() + ctx_.world}, {both.begin() + ctx_.world, both.end()}};
+  WeightChecksums sums;
+  for (int r = 0; r < ctx_.world; ++r) {
+    sums.master.push_back(all[2 * r]);
+    sums.bf16.push_back(all[2 * r + 1]);
+  }
+  return sums;
 }
 
 void Trainer::optimizer_step(int step) {

@@ -95,7 +95,7 @@ class Trainer {
   std::FILE* log_ = nullptr;  // --log, rank 0
   __nv_bfloat16* reduce_staging_ = nullptr;  // ncclMemAlloc'd under --nccl-window, else cudaMalloc'd
   float* scalar_ = nullptr;                   // device scratch for reduced scalars
-  unsigned long long* checksums_ = nullptr;   // device: [2][world] (master, bf16)
+  unsigned long long* checksums_ = nullptr;   // device: [world][2] (master, bf16)
   float* rank_timings_ = nullptr;             // device: [world][4] (--timing, several ranks)
   cudaDeviceProp props_{};
   double peak_tflops_ = 0;

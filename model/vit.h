@@ -2,7 +2,6 @@
 // GEMM entry point. The only place that knows the architecture. Memory comes from the engine's
 // arenas; nothing is allocated and nothing synchronises inside forward() and backward().
 #pragma once
-#include "kernels/attention.h"
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -15,6 +14,7 @@
 #include "engine/arena.h"
 #include "engine/gemm.h"
 #include "engine/timing.h"
+#include "kernels/attention.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_scaling.h"
 #include "model/config.h"
@@ -176,7 +176,7 @@ class ViT {
     return fp8_counting_ ? fp8_stats_ + 3 * (m - fp8_metas_) : nullptr;
   }
 
-  // Marks tensor t as read in fp32 (see fp32_read_ranges).
+  // Marks tensor t as read in fp32 (see freeze_fp32_reads).
   const float* p(int t) const {
     if (fp32_reads_frozen_ && !fp32_read_[t]) unexpected_fp32_read(t);
     fp32_read_[t] = 1;
