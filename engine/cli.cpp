@@ -58,8 +58,9 @@ std::string usage() {
              "  --comm-ctas N          NCCL uses at most N thread blocks (SMs), leaving the rest to the backward\n"
              "                         it overlaps (default 0: NCCL's choice)\n"
              "  --precision P          bf16 (default) or fp8 (the blocks' Linear layers in FP8, all three GEMMs)\n"
-             "  --attention A          the attention backward: auto (default: single-pass where it applies),\n"
-             "                         single-pass (T <= 96, head dim 16/32/64/80) or streamed (any shape)\n"
+             "  --attention A          the attention backward: auto (default: the fastest that applies),\n"
+             "                         single-pass (T <= 96, head dim 16/32/64/80), resident (T <= 256, head dim\n"
+             "                         64/80, Hopper wgmma) or streamed (any shape)\n"
              "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
              "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
              "  --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)\n"
@@ -149,8 +150,8 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
          o.precision = v;
        }},
       {"--attention", [&](const std::string& f, const std::string& v) {
-         if (v != "auto" && v != "single-pass" && v != "streamed")
-           bad("unknown " + f + " '" + v + "'; choose auto, single-pass or streamed");
+         if (v != "auto" && v != "single-pass" && v != "resident" && v != "streamed")
+           bad("unknown " + f + " '" + v + "'; choose auto, single-pass, resident or streamed");
          o.attention = v;
        }},
       {"--fp8-recipe", [&](const std::string& f, const std::string& v) {

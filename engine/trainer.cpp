@@ -93,6 +93,10 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     throw UsageError("--attention single-pass takes at most 96 tokens and head dim 16, 32, 64 or 80; this model has " +
                      std::to_string(cfg.tokens()) + " tokens and head dim " + std::to_string(cfg.head_dim()) +
                      " (use --attention auto or streamed)");
+  if (opts_.attention == "resident" && !attention_resident_supported(cfg.tokens(), cfg.head_dim()))
+    throw UsageError("--attention resident takes at most 256 tokens and head dim 64 or 80, on an sm_90 GPU; this model "
+                     "has " + std::to_string(cfg.tokens()) + " tokens and head dim " + std::to_string(cfg.head_dim()) +
+                     " (use --attention auto or streamed)");
   const Precision precision = opts_.precision == "fp8" ? Precision::FP8 : Precision::BF16;
   if (precision == Precision::FP8) {
     const std::string fp8_why = ViT::fp8_unsupported_reason(cfg, opts_.batch);
@@ -195,6 +199,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   }
   model_->set_label_smoothing(static_cast<float>(opts_.label_smoothing));
   model_->set_attention_backward(opts_.attention == "single-pass" ? AttentionBackward::SinglePass
+                                 : opts_.attention == "resident"  ? AttentionBackward::Resident
                                  : opts_.attention == "streamed"  ? AttentionBackward::Streamed
                                                                   : AttentionBackward::Auto);
   CUDA_CHECK(cudaMalloc(&checksums_, 2 * ctx_.world * sizeof(unsigned long long)));
@@ -366,10 +371,14 @@ void Trainer::print_summary() const {
   else
     std::printf("  precision   bf16: bf16 GEMMs and attention with fp32 accumulation; fp32 LayerNorm, softmax, loss,\n"
                 "              residual stream, master weights, gradients and momentum\n");
-  const bool single_pass =
-      opts_.attention != "streamed" && attention_single_pass_supported(cfg.tokens(), cfg.head_dim());
-  std::printf("  attention   fused, %s backward (--attention %s)\n",
-              single_pass ? "single-pass" : "streamed", opts_.attention.c_str());
+  // Which backward runs: the one asked for, or under auto the fastest that applies (attention.h).
+  const bool single_pass = attention_single_pass_supported(cfg.tokens(), cfg.head_dim());
+  const bool resident = attention_resident_supported(cfg.tokens(), cfg.head_dim());
+  const char* backward = opts_.attention != "auto" ? opts_.attention.c_str()
+                         : single_pass             ? "single-pass"
+                         : resident                ? "resident"
+                                                   : "streamed";
+  std::printf("  attention   fused, %s backward (--attention %s)\n", backward, opts_.attention.c_str());
   if (train_loader_)
     std::printf("  data        %s: %d training images (%d batches an epoch, shuffled), %d test\n",
                 data_summary_.c_str(), train_count_, train_loader_->batches_per_epoch(), test_count_);

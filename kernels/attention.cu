@@ -28,6 +28,7 @@
 
 #include "engine/check.h"
 #include "engine/nvtx.h"
+#include "kernels/attention_resident.h"
 #include "kernels/common.cuh"
 
 namespace {
@@ -1185,6 +1186,13 @@ bool attention_single_pass_supported(int T, int hd) {
   return single_pass_fits(T, hd, dev);
 }
 
+bool attention_resident_supported(int T, int hd) {
+  if (!attention_unsupported_reason(T, hd).empty()) return false;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  return attention_resident_fits(T, hd, dev);
+}
+
 void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse,
                         float* delta, bf16* dqkv, int B, int T, int H, int hd,
                         cudaStream_t stream, AttentionBackward kind) {
@@ -1197,7 +1205,14 @@ void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, cons
   const bool single = single_pass_fits(T, hd, dev);  // require_shape checked the rest
   ENSURE(single || kind != AttentionBackward::SinglePass,
          "attention_backward: the single-pass kernel takes T <= 96 and hd 16, 32, 64 or 80");
-  if (single && kind != AttentionBackward::Streamed) {
+  const bool resident = attention_resident_fits(T, hd, dev);
+  ENSURE(resident || kind != AttentionBackward::Resident,
+         "attention_backward: the resident kernel takes T <= 256, hd 64 or 80, on sm_90a");
+  if (kind == AttentionBackward::Resident || (kind == AttentionBackward::Auto && !single && resident)) {
+    attention_backward_resident(qkv, out, dout, lse, dqkv, B, T, H, hd, dev, stream);
+    return;
+  }
+  if (single && (kind == AttentionBackward::Auto || kind == AttentionBackward::SinglePass)) {
     const int groups = (T + 15) / 16;
     const auto launch = [&](auto hd_c) {
       constexpr int HD = decltype(hd_c)::value;

@@ -22,10 +22,13 @@ void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse,
 // The backward's kernels. Streamed: dK/dV over key tiles and dQ over query tiles, each
 // recomputing the scores, any T. SinglePass: one block per (image, head) holding K, V, Q and dO
 // in shared memory, dS kept there for dQ (five products instead of seven), for T <= 96 and hd 16,
-// 32, 64 or 80 (attention_single_pass_supported), where it is the faster. Auto: SinglePass where
-// supported.
-enum class AttentionBackward { Auto, Streamed, SinglePass };
+// 32, 64 or 80 (attention_single_pass_supported). Resident: the same on Hopper's warpgroup MMAs
+// with three specialised warpgroups, for T <= 256 and hd 64 or 80 on sm_90a
+// (attention_resident_supported; kernels/attention_resident.cu). Auto: the fastest that applies,
+// SinglePass, then Resident, then Streamed (BENCHMARKS.md 24).
+enum class AttentionBackward { Auto, Streamed, SinglePass, Resident };
 bool attention_single_pass_supported(int T, int hd);
+bool attention_resident_supported(int T, int hd);
 
 // dqkv from dout, given the forward's qkv, out and lse. delta is a [B, H, T] fp32 workspace
 // (the streamed kernels overwrite it with rowsum(dout * out)). Every element of dqkv is written;

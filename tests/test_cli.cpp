@@ -109,7 +109,8 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(usage_error({"--nccl-window", "yes"}).find("unknown --nccl-window 'yes'") != std::string::npos);
   CHECK(parse({}).attention == "auto");
   CHECK(parse({"--attention", "streamed"}).attention == "streamed");
-  CHECK(usage_error({"--attention", "cudnn"}).find("unknown --attention 'cudnn'; choose auto, single-pass or streamed") !=
+  CHECK(parse({"--attention", "resident"}).attention == "resident");
+  CHECK(usage_error({"--attention", "cudnn"}).find("unknown --attention 'cudnn'; choose auto, single-pass, resident or streamed") !=
         std::string::npos);
   CHECK(parse({}).allreduce == "auto");
   CHECK(parse({"--allreduce", "copy-engine"}).allreduce == "copy-engine");

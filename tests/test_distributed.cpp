@@ -233,6 +233,29 @@ TEST_CASE("gpu: --attention single-pass and streamed train alike; single-pass is
   CHECK(too_long.out.find("--attention single-pass takes at most 96 tokens") != std::string::npos);
 }
 
+TEST_CASE("gpu: --attention resident trains like streamed, is auto's choice at 145 tokens and head dim 80, and is "
+          "refused where it does not apply") {
+  SKIP_WITHOUT_GPU();
+  const std::string shape = kSmall + " --img 96 --dim 160 --heads 2";  // 145 tokens, head dim 80
+  const Run streamed = shell(shape + " --attention streamed");
+  // The heuristic's GEMM algorithms where the two runs are compared bit for bit.
+  const Run resident = shell(shape + " --attention resident --no-gemm-autotune");
+  const Run automatic = shell(shape + " --no-gemm-autotune");
+  CAPTURE(streamed.out);
+  CAPTURE(resident.out);
+  REQUIRE(streamed.code == 0);
+  REQUIRE(resident.code == 0);
+  REQUIRE(automatic.code == 0);
+  CHECK(resident.out.find("resident backward (--attention resident)") != std::string::npos);
+  CHECK(automatic.out.find("resident backward (--attention auto)") != std::string::npos);
+  check_same_losses(losses(streamed.out), losses(resident.out));  // the same sums in other orders
+  CHECK(losses(automatic.out) == losses(resident.out));          // deterministic: the same kernel, bit for bit
+  const Run small_head = shell(kSmall + " --attention resident");  // head dim 16
+  CAPTURE(small_head.out);
+  CHECK(small_head.code == 2);
+  CHECK(small_head.out.find("--attention resident takes at most 256 tokens and head dim 64 or 80") != std::string::npos);
+}
+
 TEST_CASE("gpu: the data-parallel machinery on one rank trains exactly like the plain path; a failure stops it") {
   SKIP_WITHOUT_GPU();
   for (const char* precision : {"bf16", "fp8"}) {

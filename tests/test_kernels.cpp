@@ -407,7 +407,10 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
                   // group), 81 (6 groups, the last partly padding), 65 (5: a one-group step after
                   // the second load group), 33 (3: a one-group step at 32), 1, and 97 (the first T past it)
                   Shape{1, 96, 2, 64}, Shape{2, 16, 1, 32}, Shape{2, 81, 1, 80}, Shape{2, 65, 1, 64},
-                  Shape{1, 33, 1, 80}, Shape{2, 1, 2, 64}, Shape{1, 97, 1, 16}}) {
+                  Shape{1, 33, 1, 80}, Shape{2, 1, 2, 64}, Shape{1, 97, 1, 16},
+                  // the resident backward's: four whole tiles, three with a partial one, T = 128
+                  // (two tiles: WG 2 owns none), 193 (a fourth tile of one row)
+                  Shape{1, 256, 1, 80}, Shape{3, 130, 2, 64}, Shape{1, 128, 2, 64}, Shape{2, 193, 1, 64}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {
@@ -427,11 +430,15 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
     attention_forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0);
     CHECK(rel_error(to_f64(out.download()), out_ref) < 1e-2);
     CHECK(rel_error(to_f64(lse.download()), lse_ref) < 1e-4);
-    // Both backward paths where the single pass applies (the streamed one everywhere).
+    // Every backward that applies (the streamed one everywhere). The resident one needs sm_90a:
+    // the test machines are Hopper, and anywhere else it must say so.
     std::vector<AttentionBackward> kinds = {AttentionBackward::Streamed};
     const bool single = attention_single_pass_supported(s.T, s.hd);
     CHECK(single == (s.T <= 96 && (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 80)));
     if (single) kinds.push_back(AttentionBackward::SinglePass);
+    const bool resident = attention_resident_supported(s.T, s.hd);
+    CHECK(resident == (s.T <= 256 && (s.hd == 64 || s.hd == 80)));
+    if (resident) kinds.push_back(AttentionBackward::Resident);
     for (const AttentionBackward kind : kinds) {
       CAPTURE(static_cast<int>(kind));
       dqkv.poison();

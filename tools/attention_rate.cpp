@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 
 #include "engine/check.h"
@@ -68,14 +69,16 @@ int main(int argc, char** argv) {
       std::printf("%-22s %10.3f %10.3f %10.3f %12.1f %12.1f\n", name, f, b, both, flop / (f * 1e-3) / 1e12,
                   3.5 * flop / (both * 1e-3) / 1e12);
       std::printf("RESULT attention shape=%d,%d,%d,%d fwd_ms=%.4f bwd_ms=%.4f both_ms=%.4f\n", B, H, T, hd, f, b, both);
-      if (attention_single_pass_supported(T, hd)) {  // both backward paths, whichever the default took
-        for (const auto& [kind, label] : {std::pair{AttentionBackward::Streamed, "streamed"},
-                                          std::pair{AttentionBackward::SinglePass, "single_pass"}}) {
-          const double ms =
-              median_event_ms([&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0, kind); });
-          std::printf("%-22s %10s %10.3f %10s   (%s backward)\n", name, "", ms, "", label);
-          std::printf("RESULT attention_%s shape=%d,%d,%d,%d bwd_ms=%.4f\n", label, B, H, T, hd, ms);
-        }
+      // Every backward path where more than one applies, whichever the default took.
+      std::vector<std::pair<AttentionBackward, const char*>> kinds = {{AttentionBackward::Streamed, "streamed"}};
+      if (attention_single_pass_supported(T, hd)) kinds.push_back({AttentionBackward::SinglePass, "single_pass"});
+      if (attention_resident_supported(T, hd)) kinds.push_back({AttentionBackward::Resident, "resident"});
+      for (const auto& [kind, label] : kinds) {
+        if (kinds.size() < 2) break;
+        const double ms =
+            median_event_ms([&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0, kind); });
+        std::printf("%-22s %10s %10.3f %10s   (%s backward)\n", name, "", ms, "", label);
+        std::printf("RESULT attention_%s shape=%d,%d,%d,%d bwd_ms=%.4f\n", label, B, H, T, hd, ms);
       }
       for (void* p : {static_cast<void*>(tmp), static_cast<void*>(qkv), static_cast<void*>(dqkv), static_cast<void*>(out),
                       static_cast<void*>(dout), static_cast<void*>(lse), static_cast<void*>(delta)})

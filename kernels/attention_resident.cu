@@ -1,0 +1,392 @@
+// The attention backward for short sequences on Hopper's warpgroup MMAs (wgmma, sm_90a), every
+// operand resident in shared memory: one CTA per (image, head), T <= 256, hd 64 or 80. Q, K, V
+// and dO are loaded once (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed once:
+// the streamed kernels (attention.cu) read the other side 4 times over and compute both twice.
+// Three warpgroups:
+//   WG 0 (rows): per query tile i and key tile c: S = Q_i K_c^T, dP = dO_i V_c^T, P, and
+//     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots.
+//   WG 1, WG 2 (keys): WG 1 + j owns key tiles 2j and 2j + 1 and accumulates dV_c += P^T dO_i and
+//     dK_c += dS^T Q_i from slot c (A = P^T, dS^T: the slot read MN-major). That is 160 fp32
+//     registers a thread, which they take from WG 0 (setmaxnreg). Before that they issue every
+//     load, so that WG 0 starts as soon as the first tile lands, and WG 2 computes
+//     delta = rowsum(dO * O) tile by tile (no separate kernel).
+// Hand-overs: the loads land on one mbarrier per tile (cp.async arrivals); slot c goes from WG 0
+// to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta through
+// DELTA_t.
+// Shared-memory layouts (no swizzle: 8 x 8 core matrices of 128 contiguous bytes):
+//   Q, dO, K, V tiles [64 rows][hd]: 16-byte vector c of row r at (r/8) * hd*16 + c*128 + (r%8)*16.
+//     K-major (as A or B over hd): LBO 128, SBO hd*16, k16 step kk at + kk*256. MN-major (as B
+//     with K = the rows: dO, Q for dV, dK; K for dQ): LBO hd*16, SBO 128, k16 step j at + j*2*hd*16.
+//   Slot, 64 queries x 64 keys (P, then dS): vector k (keys 8k..8k+7) of query r at
+//     (r/8) * 1024 + k*128 + (r%8)*16: K-major for dS as A of dQ (LBO 128, SBO 1024), MN-major for
+//     P^T and dS^T as A of dV and dK (M = keys; LBO 1024 along the queries, SBO 128).
+#include "kernels/attention_resident.h"
+
+#include <cmath>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/check.h"
+#include "kernels/wgmma.cuh"
+
+namespace {
+using bf16 = __nv_bfloat16;
+
+constexpr int kQTile = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+__host__ __device__ constexpr int q_bytes(int hd) { return kQTile * hd * 2; }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(__cvta_generic_to_global(src)),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+template <int HD>
+__device__ __forceinline__ uint32_t kmajor_offset(int r, int c) {
+  return uint32_t((r >> 3) * HD * 16 + c * 128 + (r & 7) * 16);
+}
+template <int HD>
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile, int kk) {
+  return wgmma::descriptor(tile + kk * 256, 128, HD * 16);
+}
+template <int HD>
+__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile, int j) {
+  return wgmma::descriptor(tile + j * 2 * HD * 16, HD * 16, 128);
+}
+
+constexpr int kThreads = 384, kLoaders = 256;
+constexpr int kSlotBytes = 2 * 64 * 64 * 2;  // P, then dS
+constexpr int kWg0Regs = 120, kKeyRegs = 192;  // 120 + 2 * 192 = 504 <= 512 = 65536 / 128
+// kFull + c, kEmpty + c, kDelta + t; 0 is __syncthreads
+enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10 };
+
+// Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); then the 4 mbarriers.
+__host__ __device__ constexpr int smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512) + 8 * 4; }
+
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrives on bar once all of this thread's earlier cp.async have landed.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+}
+template <int R>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+__device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (query r, key k), k even
+  return uint32_t((r >> 3) * 1024 + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_backward_resident_kernel(const bf16* __restrict__ qkv, const bf16* __restrict__ out,
+                                       const bf16* __restrict__ dout, const float* __restrict__ lse,
+                                       bf16* __restrict__ dqkv, int T, int H, float scale) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  constexpr int kTile = q_bytes(HD);
+  const int n = (T + kQTile - 1) / kQTile;
+  const uint32_t s_q = smem_addr(smem), s_do = s_q + n * kTile, s_k = s_do + n * kTile, s_v = s_k + n * kTile;
+  const uint32_t s_slot = s_v + n * kTile, s_stats = s_slot + n * kSlotBytes, s_bar = s_stats + n * 512;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int D = H * HD;
+  const size_t ld = 3 * size_t(D);
+  const bf16* q_src = qkv + size_t(b) * T * ld + h * HD;
+  const bf16* do_src = dout + size_t(b) * T * D + h * HD;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
+            q = lane & 3;
+
+  if (threadIdx.x == 0)
+    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kLoaders);
+  __syncthreads();
+  // WG 1 and 2 (idle until WG 0 fills a slot) issue the loads, so that WG 0 starts on tile 0 as
+  // soon as it lands: tile t (rows 64t .. 64t + 63 of Q, dO, K, V and lse) on mbarrier t. Rows at
+  // or past T are zero (lse 0 there: P = 1 against zero Q and dO rows, which adds nothing).
+  if (wg > 0) {
+    constexpr int kVecs = kQTile * (HD / 8);  // 16-byte vectors of a tile: thread x copies x + 256 k
+    constexpr int kPer = (kVecs + kLoaders - 1) / kLoaders;
+    const int x = int(threadIdx.x) - 128;
+    uint32_t offset[kPer];
+    int row[kPer], col[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int v = x + k * kLoaders;
+      row[k] = v < kVecs ? v / (HD / 8) : kQTile, col[k] = v % (HD / 8);
+      offset[k] = kmajor_offset<HD>(row[k] % kQTile, col[k]);
+    }
+    const float* lse_bh = lse + (size_t(b) * H + h) * T;
+    for (int t = 0; t < n; ++t) {
+#pragma unroll
+      for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
+        const bf16* src = which == 1 ? do_src : q_src + (which == 0 ? 0 : which - 1) * D;
+        const size_t stride = which == 1 ? size_t(D) : ld;
+        const uint32_t dst = s_q + which * n * kTile + t * kTile;
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          const int r = t * kQTile + row[k];
+          if (row[k] < kQTile) cp_async_16(dst + offset[k], r < T ? src + r * stride + col[k] * 8 : src, r < T);
+        }
+      }
+      if (x < 64) {
+        const int r = t * kQTile + x;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + t * 512 + x * 4),
+                     "l"(__cvta_generic_to_global(r < T ? lse_bh + r : lse_bh)), "r"(r < T ? 4 : 0)
+                     : "memory");
+      }
+      cp_async_arrive(s_bar + 8 * t);
+    }
+  }
+
+  if (wg == 0) {  // rows: S, dP, P, dS, dQ
+    regs_dec<kWg0Regs>();
+    const float scale_log2 = scale * kLog2e;
+    const float* stats = reinterpret_cast<const float*>(smem + (s_stats - s_q));
+    for (int i = 0; i < n; ++i) {
+      const int r_lo = i * kQTile + warp * 16 + g, r_hi = r_lo + 8;
+      const uint32_t q_i = s_q + i * kTile, do_i = s_do + i * kTile;
+      float l_lo = 0.0f, l_hi = 0.0f, d_lo = 0.0f, d_hi = 0.0f;
+      for (int c = 0; c < n; ++c) {
+        if (i == 0) mbar_wait(s_bar + 8 * c, 0);  // tile c's K, V (and at c = 0 Q_0, dO_0)
+        else if (c == 0) mbar_wait(s_bar + 8 * i, 0);
+        if (c == 0) l_lo = stats[i * 128 + warp * 16 + g] * kLog2e, l_hi = stats[i * 128 + warp * 16 + g + 8] * kLog2e;
+        wgmma::fence_proxy_async();
+        float sc[32], dp[32];
+        wgmma::fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk)
+          wgmma::Mma<64>::ss(sc, kmajor_desc<HD>(q_i, kk), kmajor_desc<HD>(s_k + c * kTile, kk), kk > 0);
+        wgmma::commit();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk)
+          wgmma::Mma<64>::ss(dp, kmajor_desc<HD>(do_i, kk), kmajor_desc<HD>(s_v + c * kTile, kk), kk > 0);
+        wgmma::commit();
+        wgmma::wait<1>();  // S: P = exp(S scale - lse) while dP is in flight; 0 for keys at or past T
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          sc[4 * j] = exp2_approx(fmaf(sc[4 * j], scale_log2, -l_lo));
+          sc[4 * j + 1] = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, -l_lo));
+          sc[4 * j + 2] = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, -l_hi));
+          sc[4 * j + 3] = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, -l_hi));
+          const int key = c * kQTile + 8 * j + 2 * q;
+          if (key >= T) sc[4 * j] = sc[4 * j + 2] = 0.0f;
+          if (key + 1 >= T) sc[4 * j + 1] = sc[4 * j + 3] = 0.0f;
+        }
+        wgmma::wait<0>();
+        if (c == 0) {
+          bar_sync(kDelta + i, 256);  // WG 2 has written tile i's delta
+          d_lo = stats[i * 128 + 64 + warp * 16 + g], d_hi = stats[i * 128 + 64 + warp * 16 + g + 8];
+        }
+        if (i > 0) bar_sync(kEmpty + c, 256);  // the owner is done with tile i - 1's slot c
+        // P and dS = P (dP - delta) into the slot as bf16 pairs.
+        const uint32_t slot = s_slot + c * kSlotBytes;
+        const int row = warp * 16 + g;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int col = 8 * j + 2 * q;
+          const float p0 = sc[4 * j], p1 = sc[4 * j + 1], p2 = sc[4 * j + 2], p3 = sc[4 * j + 3];
+          const uint32_t lo = slot + slot_offset(row, col), hi = slot + slot_offset(row + 8, col);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(lo), "r"(pack_bf16x2(p0, p1)) : "memory");
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(hi), "r"(pack_bf16x2(p2, p3)) : "memory");
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(lo + 8192),
+                       "r"(pack_bf16x2(p0 * (dp[4 * j] - d_lo), p1 * (dp[4 * j + 1] - d_lo)))
+                       : "memory");
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(hi + 8192),
+                       "r"(pack_bf16x2(p2 * (dp[4 * j + 2] - d_hi), p3 * (dp[4 * j + 3] - d_hi)))
+                       : "memory");
+        }
+        wgmma::fence_proxy_async();
+        bar_arrive(kFull + c, 256);
+      }
+      // dQ_i = dS_i K over the n slots (K-major dS as A, K MN-major as B).
+      bar_sync(kRows, 128);  // every thread of WG 0 has stored (and fenced) its part of the slots
+      float dq[HD / 2];
+      wgmma::fence();
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (c < n) {
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma::Mma<HD>::ss_bt(dq, wgmma::descriptor(s_slot + c * kSlotBytes + 8192 + kk * 256, 128, 1024),
+                                  mnmajor_desc<HD>(s_k + c * kTile, kk), c > 0 || kk > 0);
+        }
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      bf16* dq_dst = dqkv + size_t(b) * T * ld + h * HD;
+#pragma unroll
+      for (int m = 0; m < HD / 8; ++m) {
+        const int col = 8 * m + 2 * q;
+        if (r_lo < T)
+          *reinterpret_cast<uint32_t*>(dq_dst + size_t(r_lo) * ld + col) =
+              pack_bf16x2(dq[4 * m] * scale, dq[4 * m + 1] * scale);
+        if (r_hi < T)
+          *reinterpret_cast<uint32_t*>(dq_dst + size_t(r_hi) * ld + col) =
+              pack_bf16x2(dq[4 * m + 2] * scale, dq[4 * m + 3] * scale);
+      }
+    }
+  } else {  // keys: dV, dK for key tiles 2j, 2j + 1
+    regs_inc<kKeyRegs>();
+    const int j = wg - 1;
+    if (j == 1) {  // first, delta = rowsum(dO * O) (0 past T) tile by tile for WG 0: two threads a row
+      float* stats_w = reinterpret_cast<float*>(smem + (s_stats - s_q));
+      const int x = int(threadIdx.x) - 256, half = x & 1;
+      for (int t = 0; t < n; ++t) {
+        const int r = t * kQTile + x / 2;
+        float sum = 0.0f;
+        uint4 o[HD / 16];  // O's half row, loaded before waiting for dO
+        const uint4* o_row = reinterpret_cast<const uint4*>(out + (size_t(b) * T + r) * D + h * HD) + half * HD / 16;
+#pragma unroll
+        for (int c = 0; c < HD / 16; ++c) o[c] = r < T ? o_row[c] : make_uint4(0, 0, 0, 0);
+        mbar_wait(s_bar + 8 * t, 0);  // dO's tile
+        if (r < T) {
+          const unsigned char* do_tile = smem + (s_do - s_q) + t * kTile;
+#pragma unroll
+          for (int c = 0; c < HD / 16; ++c) {
+            const uint4 d = *reinterpret_cast<const uint4*>(do_tile + kmajor_offset<HD>(x / 2, half * HD / 16 + c));
+            const uint32_t ow[4] = {o[c].x, o[c].y, o[c].z, o[c].w}, dw[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float2 of = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ow[e]));
+              const float2 df = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dw[e]));
+              sum = fmaf(of.x, df.x, fmaf(of.y, df.y, sum));
+            }
+          }
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        if (half == 0) stats_w[t * 128 + 64 + x / 2] = sum;
+        bar_arrive(kDelta + t, 256);
+      }
+    }
+    float dv[2][HD / 2], dk[2][HD / 2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int e = 0; e < HD / 2; ++e) dv[t][e] = dk[t][e] = 0.0f;
+    if (2 * j >= n) return;
+    for (int i = 0; i < n; ++i) {
+      mbar_wait(s_bar + 8 * i, 0);  // Q_i, dO_i
+      wgmma::fence_proxy_async();
+      const uint32_t q_i = s_q + i * kTile, do_i = s_do + i * kTile;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int c = 2 * j + t;
+        if (c < n) {
+          bar_sync(kFull + c, 256);
+          const uint32_t slot = s_slot + c * kSlotBytes;
+          wgmma::fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma::Mma<HD>::ss_tt(dv[t], wgmma::descriptor(slot + kk * 2048, 1024, 128), mnmajor_desc<HD>(do_i, kk), 1);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma::Mma<HD>::ss_tt(dk[t], wgmma::descriptor(slot + 8192 + kk * 2048, 1024, 128),
+                                  mnmajor_desc<HD>(q_i, kk), 1);
+          wgmma::commit();
+        }
+      }
+      wgmma::wait<0>();
+      if (i + 1 < n)
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+          if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
+    }
+    bf16* dk_dst = dqkv + size_t(b) * T * ld + D + h * HD;
+    bf16* dv_dst = dk_dst + D;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int r_lo = (2 * j + t) * kQTile + warp * 16 + g, r_hi = r_lo + 8;
+#pragma unroll
+      for (int m = 0; m < HD / 8; ++m) {
+        const int col = 8 * m + 2 * q;
+        if (r_lo < T) {
+          *reinterpret_cast<uint32_t*>(dk_dst + size_t(r_lo) * ld + col) =
+              pack_bf16x2(dk[t][4 * m] * scale, dk[t][4 * m + 1] * scale);
+          *reinterpret_cast<uint32_t*>(dv_dst + size_t(r_lo) * ld + col) = pack_bf16x2(dv[t][4 * m], dv[t][4 * m + 1]);
+        }
+        if (r_hi < T) {
+          *reinterpret_cast<uint32_t*>(dk_dst + size_t(r_hi) * ld + col) =
+              pack_bf16x2(dk[t][4 * m + 2] * scale, dk[t][4 * m + 3] * scale);
+          *reinterpret_cast<uint32_t*>(dv_dst + size_t(r_hi) * ld + col) =
+              pack_bf16x2(dv[t][4 * m + 2], dv[t][4 * m + 3]);
+        }
+      }
+    }
+  }
+}
+
+bool fits(int T, int hd, int dev, int* smem) {
+  if (T < 1 || T > 4 * kQTile || (hd != 64 && hd != 80)) return false;
+  int major = 0, minor = 0, optin = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  *smem = smem_bytes((T + kQTile - 1) / kQTile, hd);
+  return major == 9 && minor == 0 && *smem <= optin;  // wgmma and setmaxnreg: sm_90a only
+}
+
+template <auto Kernel>
+void prepare_kernel(int dev, int smem) {  // the shared-memory opt-in, once per device
+  static std::mutex mutex;
+  static std::vector<bool> done;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (dev < static_cast<int>(done.size()) && done[dev]) return;
+  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  smem));
+  if (dev >= static_cast<int>(done.size())) done.resize(dev + 1, false);
+  done[dev] = true;
+}
+}  // namespace
+
+bool attention_resident_fits(int T, int hd, int dev) {
+  int smem = 0;
+  return fits(T, hd, dev, &smem);
+}
+
+void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse, bf16* dqkv,
+                                 int B, int T, int H, int hd, int dev, cudaStream_t stream) {
+  int smem = 0;
+  ENSURE(fits(T, hd, dev, &smem), "attention_backward_resident: T " + std::to_string(T) + ", hd " +
+                                      std::to_string(hd) + " is not its shape (T <= 256, hd 64 or 80, sm_90a)");
+  const auto launch = [&](auto hd_c) {
+    constexpr int HD = decltype(hd_c)::value;
+    prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
+    attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
+        qkv, out, dout, lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+    LAUNCH_CHECK();
+  };
+  if (hd == 64) launch(std::integral_constant<int, 64>{});
+  else launch(std::integral_constant<int, 80>{});
+}
