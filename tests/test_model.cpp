@@ -195,18 +195,30 @@ TEST_CASE("gpu: whole-model gradients with the resident attention backward again
   ViTConfig cfg = small_config();
   cfg.img = 96; cfg.dim = 160; cfg.heads = 2;  // 145 tokens, head dim 80 (ViT-H's)
   REQUIRE(attention_resident_supported(cfg.tokens(), cfg.head_dim()));  // the GPU tier runs on Hopper
-  // bf16 at batch 2; fp8 at 16 (its GEMMs contract over token rows in multiples of 16), with the
-  // bounds of the two tests around this one.
+  // bf16 at batch 2; fp8 at 16 (its GEMMs contract over token rows in multiples of 16). The same
+  // weights and batch through the streamed backward give each gradient's expected rounding error.
   for (const Precision precision : {Precision::BF16, Precision::FP8}) {
     const bool fp8 = precision == Precision::FP8;
     CAPTURE(fp8);
-    const Comparison c = compare_with_reference(precision, fp8 ? 16 : 2, rng, cfg, AttentionBackward::Resident);
-    MESSAGE("resident attention, " << (fp8 ? "fp8" : "bf16") << ": loss " << c.loss << ", reference " << c.ref_loss
-                                   << "\n" << table(c));
-    for (size_t i = 0; i < c.names.size(); ++i) {
-      CAPTURE(c.names[i]);
-      if (fp8) CHECK(c.cosine[i] > 0.9);
-      else CHECK(c.rel_err[i] < 5e-2);
+    const uint64_t seed = rng();
+    std::mt19937_64 rng_a(seed), rng_b(seed);
+    const int B = fp8 ? 16 : 2;
+    const Comparison res = compare_with_reference(precision, B, rng_a, cfg, AttentionBackward::Resident);
+    const Comparison str = compare_with_reference(precision, B, rng_b, cfg, AttentionBackward::Streamed);
+    std::string out;
+    for (size_t i = 0; i < res.names.size(); ++i) {
+      char line[160];
+      std::snprintf(line, sizeof line, "  %-28s resident rel err %.2e cosine %.5f | streamed rel err %.2e\n",
+                    res.names[i].c_str(), res.rel_err[i], res.cosine[i], str.rel_err[i]);
+      out += line;
+    }
+    MESSAGE(std::string(fp8 ? "fp8" : "bf16") << " loss: resident " << res.loss << ", streamed " << str.loss
+                                              << ", reference " << res.ref_loss << "\n" << out);
+    for (size_t i = 0; i < res.names.size(); ++i) {
+      CAPTURE(res.names[i]);
+      CHECK(res.rel_err[i] < 1.5 * str.rel_err[i] + 1e-2);  // no worse than the streamed kernels' rounding
+      if (fp8) CHECK(res.cosine[i] > 0.9);                   // the bounds of the tests around this one
+      else CHECK(res.rel_err[i] < 5e-2);
     }
   }
 }
