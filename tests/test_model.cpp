@@ -216,8 +216,13 @@ TEST_CASE("gpu: whole-model gradients with the resident attention backward again
                                               << ", reference " << res.ref_loss << "\n" << out);
     for (size_t i = 0; i < res.names.size(); ++i) {
       CAPTURE(res.names[i]);
-      CHECK(res.rel_err[i] < 1.5 * str.rel_err[i] + 1e-2);  // no worse than the streamed kernels' rounding
-      if (fp8) CHECK(res.cosine[i] > 0.9);                   // the bounds of the tests around this one
+      // No worse than the streamed kernels' rounding; then the absolute bounds: bf16's as in the
+      // test above; fp8's looser than the small model's (the embeddings' cosines here are
+      // 0.895 with either backward: E4M3 through two blocks of 160 wide), far above the ~0 of a
+      // wrong layout or scale.
+      CHECK(res.rel_err[i] < 1.5 * str.rel_err[i] + 1e-2);
+      CHECK(res.cosine[i] > str.cosine[i] - 1e-2);
+      if (fp8) CHECK(res.cosine[i] > 0.8);
       else CHECK(res.rel_err[i] < 5e-2);
     }
   }
