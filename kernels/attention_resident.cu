@@ -70,7 +70,11 @@ __device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile, int j) {
 
 constexpr int kThreads = 384, kLoaders = 256;
 constexpr int kSlotBytes = 2 * 64 * 64 * 2;  // P, then dS
-constexpr int kWg0Regs = 120, kKeyRegs = 192;  // 120 + 2 * 192 = 504 <= 512 = 65536 / 128
+// setmaxnreg moves registers within the CTA's own pool (SASS: CTAPOOL), 168 a thread at launch
+// (__launch_bounds__(384, 1)): the three warpgroups' counts may sum to 3 x 168 = 504, no more (an
+// increase beyond the pool waits forever).
+constexpr int kWg0Regs = 120, kKeyRegs = 192;  // 120 + 2 * 192 = 504
+static_assert(kWg0Regs + 2 * kKeyRegs <= 3 * (65536 / kThreads / 8 * 8), "more registers than the CTA's pool");
 // kFull + c, kEmpty + c, kDelta + t; 0 is __syncthreads
 enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10 };
 
