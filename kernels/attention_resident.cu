@@ -23,11 +23,10 @@
 #include "kernels/attention_resident.h"
 
 #include <cmath>
-#include <mutex>
 #include <string>
-#include <vector>
 
 #include "engine/check.h"
+#include "kernels/attention_common.cuh"
 #include "kernels/wgmma.cuh"
 
 namespace {
@@ -37,24 +36,6 @@ constexpr int kQTile = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 __host__ __device__ constexpr int q_bytes(int hd) { return kQTile * hd * 2; }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(__cvta_generic_to_global(src)),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 template <int HD>
 __device__ __forceinline__ uint32_t kmajor_offset(int r, int c) {
   return uint32_t((r >> 3) * HD * 16 + c * 128 + (r & 7) * 16);
@@ -361,17 +342,6 @@ bool fits(int T, int hd, int dev, int* smem) {
   return major == 9 && minor == 0 && *smem <= optin;  // wgmma and setmaxnreg: sm_90a only
 }
 
-template <auto Kernel>
-void prepare_kernel(int dev, int smem) {  // the shared-memory opt-in, once per device
-  static std::mutex mutex;
-  static std::vector<bool> done;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (dev < static_cast<int>(done.size()) && done[dev]) return;
-  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  smem));
-  if (dev >= static_cast<int>(done.size())) done.resize(dev + 1, false);
-  done[dev] = true;
-}
 }  // namespace
 
 bool attention_resident_fits(int T, int hd, int dev) {

@@ -1,0 +1,62 @@
+// What the attention kernels share (kernels/attention.cu, kernels/attention_resident.cu): PTX
+// wrappers, and the once-per-device kernel attributes. Everything in an anonymous namespace: each
+// including file gets its own copy (its kernels' instantiations of prepare_kernel among them).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "engine/check.h"
+
+namespace {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy that bypasses L1; with valid == false nothing is read and the 16
+// destination bytes are zero-filled (source size 0). src must still be a valid address.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
+               : "memory");
+}
+
+// bf16x2 of (lo, hi), round to nearest: lo in the lower half (the lower index in memory and in
+// fragments).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// 2^x; ex2.approx maps -inf to +0, which the masking relies on.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Kernel attributes are per (kernel, device context): once per instantiation and device, allow
+// the kernel's dynamic shared memory (which exceeds the default 48 KB for larger hd) and prefer
+// the largest shared-memory carveout, so that several blocks share an SM.
+template <auto Kernel>
+void prepare_kernel(int dev, int smem_bytes) {
+  static std::mutex mutex;
+  static std::vector<bool> done;  // by device ordinal
+  std::lock_guard<std::mutex> lock(mutex);
+  if (dev < static_cast<int>(done.size()) && done[dev]) return;
+  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
+                                  cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared));
+  if (dev >= static_cast<int>(done.size())) done.resize(dev + 1, false);
+  done[dev] = true;
+}
+
+}  // namespace
