@@ -458,6 +458,19 @@ float Trainer::mean_over_ranks(const float* device_value) {
   return host;
 }
 
+template <typename T>
+std::vector<T> Trainer::gather_rows(T* rows, int k, ncclDataType_t type) {
+  if (ctx_.comm) {
+    ctx_.comm->order(stream_, ctx_.comm->stream());
+    ctx_.comm->all_gather(rows + size_t(k) * ctx_.rank, rows, k, type);
+    ctx_.comm->order(ctx_.comm->stream(), stream_);
+  }
+  std::vector<T> all(size_t(k) * ctx_.world);
+  CUDA_CHECK(cudaMemcpyAsync(all.data(), rows, all.size() * sizeof(T), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return all;
+}
+
 std::vector<float> Trainer::rank_timings() {
   doing("gathering the ranks' phase times");
   const float mine[4] = {static_cast<float>(timer_->mean_ms(Phase::Forward)),
@@ -465,13 +478,7 @@ std::vector<float> Trainer::rank_timings() {
                          static_cast<float>(timer_->mean_ms(Phase::Optimizer)),
                          static_cast<float>(timer_->mean_ms(OpKind::CommWait))};
   CUDA_CHECK(cudaMemcpyAsync(rank_timings_ + 4 * ctx_.rank, mine, sizeof mine, cudaMemcpyHostToDevice, stream_));
-  ctx_.comm->order(stream_, ctx_.comm->stream());
-  ctx_.comm->all_gather(rank_timings_ + 4 * ctx_.rank, rank_timings_, 4, ncclFloat32);
-  ctx_.comm->order(ctx_.comm->stream(), stream_);
-  std::vector<float> all(4 * ctx_.world);
-  CUDA_CHECK(cudaMemcpyAsync(all.data(), rank_timings_, all.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return all;
+  return gather_rows(rank_timings_, 4, ncclFloat32);
 }
 
 Trainer::WeightChecksums Trainer::weight_checksums() {
@@ -481,14 +488,7 @@ Trainer::WeightChecksums Trainer::weight_checksums() {
   unsigned long long* mine = checksums_ + 2 * ctx_.rank;
   checksum(model_->params(), n, mine, stream_);
   checksum(reinterpret_cast<const float*>(model_->params_bf16()), n / 2, mine + 1, stream_);
-  if (ctx_.comm) {
-    ctx_.comm->order(stream_, ctx_.comm->stream());
-    ctx_.comm->all_gather(mine, checksums_, 2, ncclUint64);
-    ctx_.comm->order(ctx_.comm->stream(), stream_);
-  }
-  std::vector<unsigned long long> all(2 * ctx_.world);
-  CUDA_CHECK(cudaMemcpyAsync(all.data(), checksums_, all.size() * sizeof(all[0]), cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const std::vector<unsigned long long> all = gather_rows(checksums_, 2, ncclUint64);
   WeightChecksums sums;
   for (int r = 0; r < ctx_.world; ++r) {
     sums.master.push_back(all[2 * r]);

@@ -85,6 +85,10 @@ class Trainer {
   void log_json(const std::string& fields);
   // The mean over the ranks of a device scalar (itself when alone), read on the host.
   float mean_over_ranks(const float* device_value);
+  // rows: device [world][k], this rank's row written on stream_; every rank's row, on the host
+  // (with one rank, its own). A collective where there are several.
+  template <typename T>
+  std::vector<T> gather_rows(T* rows, int k, ncclDataType_t type);
   void prepare();
   void record_epoch_and_evaluate(int step, std::vector<EpochResult>& epochs);
 

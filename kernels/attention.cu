@@ -1027,26 +1027,6 @@ __global__ void __launch_bounds__(kSingleThreads, kSingleMinBlocks)
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-struct DeviceInfo {
-  int major = 0, minor = 0, smem_optin = 0;
-};
-
-// Per-device properties, queried once per device (cudaDeviceGetAttribute, never the slow
-// cudaGetDeviceProperties).
-DeviceInfo device_info(int dev) {
-  static std::mutex mutex;
-  static std::vector<std::pair<bool, DeviceInfo>> cache;  // by ordinal
-  std::lock_guard<std::mutex> lock(mutex);
-  if (dev < static_cast<int>(cache.size()) && cache[dev].first) return cache[dev].second;
-  DeviceInfo info;
-  CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, dev));
-  CUDA_CHECK(
-      cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (dev >= static_cast<int>(cache.size())) cache.resize(dev + 1);
-  cache[dev] = {true, info};
-  return info;
-}
 
 // Calls f(std::integral_constant<int, hd>) for the supported head dims.
 template <typename F>

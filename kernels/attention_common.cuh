@@ -1,5 +1,6 @@
 // What the attention kernels share (kernels/attention.cu, kernels/attention_resident.cu): PTX
-// wrappers, and the once-per-device kernel attributes. Everything in an anonymous namespace: each
+// wrappers, the device's limits (queried once per device) and the once-per-device kernel
+// attributes. Everything in an anonymous namespace: each
 // including file gets its own copy (its kernels' instantiations of prepare_kernel among them).
 #pragma once
 #include <cuda_bf16.h>
@@ -57,6 +58,27 @@ void prepare_kernel(int dev, int smem_bytes) {
                                   cudaSharedmemCarveoutMaxShared));
   if (dev >= static_cast<int>(done.size())) done.resize(dev + 1, false);
   done[dev] = true;
+}
+
+struct DeviceInfo {
+  int major = 0, minor = 0, smem_optin = 0;
+};
+
+// Per-device properties, queried once per device (cudaDeviceGetAttribute, never the slow
+// cudaGetDeviceProperties).
+DeviceInfo device_info(int dev) {
+  static std::mutex mutex;
+  static std::vector<std::pair<bool, DeviceInfo>> cache;  // by ordinal
+  std::lock_guard<std::mutex> lock(mutex);
+  if (dev < static_cast<int>(cache.size()) && cache[dev].first) return cache[dev].second;
+  DeviceInfo info;
+  CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, dev));
+  CUDA_CHECK(
+      cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (dev >= static_cast<int>(cache.size())) cache.resize(dev + 1);
+  cache[dev] = {true, info};
+  return info;
 }
 
 }  // namespace

@@ -35,6 +35,7 @@ using bf16 = __nv_bfloat16;
 constexpr int kQTile = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 __host__ __device__ constexpr int q_bytes(int hd) { return kQTile * hd * 2; }
+__host__ __device__ constexpr int tiles(int T) { return (T + kQTile - 1) / kQTile; }  // 64-row tiles
 
 template <int HD>
 __device__ __forceinline__ uint32_t kmajor_offset(int r, int c) {
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                        bf16* __restrict__ dqkv, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   constexpr int kTile = q_bytes(HD);
-  const int n = (T + kQTile - 1) / kQTile;
+  const int n = tiles(T);
   const uint32_t s_q = smem_addr(smem), s_do = s_q + n * kTile, s_k = s_do + n * kTile, s_v = s_k + n * kTile;
   const uint32_t s_slot = s_v + n * kTile, s_stats = s_slot + n * kSlotBytes, s_bar = s_stats + n * 512;
   const int h = blockIdx.x, b = blockIdx.y;
@@ -332,28 +333,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-bool fits(int T, int hd, int dev, int* smem) {
-  if (T < 1 || T > 4 * kQTile || (hd != 64 && hd != 80)) return false;
-  int major = 0, minor = 0, optin = 0;
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  *smem = smem_bytes((T + kQTile - 1) / kQTile, hd);
-  return major == 9 && minor == 0 && *smem <= optin;  // wgmma and setmaxnreg: sm_90a only
-}
-
 }  // namespace
 
 bool attention_resident_fits(int T, int hd, int dev) {
-  int smem = 0;
-  return fits(T, hd, dev, &smem);
+  if (T < 1 || T > 4 * kQTile || (hd != 64 && hd != 80)) return false;
+  const DeviceInfo info = device_info(dev);
+  return info.major == 9 && info.minor == 0 &&  // wgmma and setmaxnreg: sm_90a only
+         smem_bytes(tiles(T), hd) <= info.smem_optin;
 }
 
 void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse, bf16* dqkv,
                                  int B, int T, int H, int hd, int dev, cudaStream_t stream) {
-  int smem = 0;
-  ENSURE(fits(T, hd, dev, &smem), "attention_backward_resident: T " + std::to_string(T) + ", hd " +
-                                      std::to_string(hd) + " is not its shape (T <= 256, hd 64 or 80, sm_90a)");
+  ENSURE(attention_resident_fits(T, hd, dev), "attention_backward_resident: T " + std::to_string(T) + ", hd " +
+                                                  std::to_string(hd) + " is not its shape (T <= 256, hd 64 or 80, sm_90a)");
+  const int smem = smem_bytes(tiles(T), hd);
   const auto launch = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it

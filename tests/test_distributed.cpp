@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -28,6 +27,7 @@
 #include "engine/check.h"
 #include "engine/distributed.h"
 #include "tests/harness.h"
+#include "tests/idx_files.h"
 #include "tests/shell.h"
 
 namespace {
@@ -367,19 +367,15 @@ TEST_CASE("gpu: a sharded optimizer over many buckets, with evaluations between 
   // weights over 4, and the evaluations between steps read the weights the peers updated.
   const std::filesystem::path d = fresh_temp_dir("shard_eval");
   std::filesystem::create_directories(d);
-  auto write_idx = [&](const std::string& stem, int n) {
-    std::vector<uint8_t> images{0, 0, 8, 3, 0, 0, static_cast<uint8_t>(n >> 8), static_cast<uint8_t>(n), 0, 0, 0, 28, 0, 0, 0, 28};
-    std::vector<uint8_t> labels{0, 0, 8, 1, 0, 0, static_cast<uint8_t>(n >> 8), static_cast<uint8_t>(n)};
-    uint32_t x = 12345;
-    for (int i = 0; i < n * 28 * 28; ++i) images.push_back(static_cast<uint8_t>((x = x * 1664525u + 1013904223u) >> 24));
+  auto write_set = [&](const std::string& stem, int n) {  // 28 x 28 pseudo-random pixels, labels 0-9 in turn
+    std::vector<uint8_t> labels;
     for (int i = 0; i < n; ++i) labels.push_back(static_cast<uint8_t>(i % 10));
-    std::ofstream((d / (stem + "-images-idx3-ubyte")).string(), std::ios::binary)
-        .write(reinterpret_cast<const char*>(images.data()), static_cast<std::streamsize>(images.size()));
-    std::ofstream((d / (stem + "-labels-idx1-ubyte")).string(), std::ios::binary)
-        .write(reinterpret_cast<const char*>(labels.data()), static_cast<std::streamsize>(labels.size()));
+    uint32_t x = 12345;
+    write_idx((d / (stem + "-images-idx3-ubyte")).string(), (d / (stem + "-labels-idx1-ubyte")).string(), n, 28, 28,
+              labels, false, [&x](int) { return static_cast<uint8_t>((x = x * 1664525u + 1013904223u) >> 24); });
   };
-  write_idx("train", 320);
-  write_idx("t10k", 64);
+  write_set("train", 320);
+  write_set("t10k", 64);
   for (const char* precision : {"bf16", "fp8"}) {
     CAPTURE(precision);
     const std::string args = "./vit_train --data fashion-mnist:" + d.string() +
