@@ -216,14 +216,15 @@ TEST_CASE("gpu: whole-model gradients with the resident attention backward again
                                               << ", reference " << res.ref_loss << "\n" << out);
     for (size_t i = 0; i < res.names.size(); ++i) {
       CAPTURE(res.names[i]);
-      // No worse than the streamed kernels' rounding; then the absolute bounds: bf16's as in the
-      // test above; fp8's looser than the small model's (the embeddings' cosines here are
-      // 0.895 with either backward: E4M3 through two blocks of 160 wide), far above the ~0 of a
-      // wrong layout or scale.
+      // No worse than the streamed kernels' rounding; then absolute bounds far above the rounding
+      // and far below the ~1 of a wrong layout or scale. bf16: the embeddings' errors reach
+      // 6.9e-2 with either backward at batch 2 (seed 499618942), so 0.1, not the small model's
+      // 5e-2. fp8: the embeddings' cosines are 0.895 with either backward (E4M3 through two
+      // blocks of 160 wide).
       CHECK(res.rel_err[i] < 1.5 * str.rel_err[i] + 1e-2);
       CHECK(res.cosine[i] > str.cosine[i] - 1e-2);
       if (fp8) CHECK(res.cosine[i] > 0.8);
-      else CHECK(res.rel_err[i] < 5e-2);
+      else CHECK(res.rel_err[i] < 0.1);
     }
   }
 }
