@@ -10,6 +10,11 @@
 //     registers a thread, which they take from WG 0 (setmaxnreg). Before that they issue every
 //     load, so that WG 0 starts as soon as the first tile lands, and WG 2 computes
 //     delta = rowsum(dO * O) tile by tile (no separate kernel).
+// A last, partial tile is computed only as far as its rows reach, rounded up to 16 (at ViT's 197
+// tokens 5 of its 64 rows are real): S and dP 16 or 32 keys wide instead of 64, and dK and dV
+// contract over that many of its queries. dQ contracts over all 64 of its keys, the slot's
+// unwritten columns zeroed at the start (a guard on dQ's last steps makes ptxas serialize the
+// wgmmas).
 // Hand-overs: the loads land on one mbarrier per tile (cp.async arrivals); slot c goes from WG 0
 // to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta through
 // DELTA_t.
@@ -114,9 +119,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bf16* do_src = dout + size_t(b) * T * D + h * HD;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
+  // k16 steps that cover the last tile's rows (as keys of dQ, as queries of dK and dV): the rest
+  // contribute nothing (P and dS are 0 on padding keys, dO and Q on padding queries).
+  const int last_k16 = (T - (n - 1) * kQTile + 15) / 16;
 
   if (threadIdx.x == 0)
     for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kLoaders);
+  if (last_k16 <= 2) {  // the last slot's columns that WG 0 leaves unwritten
+    for (int v = int(threadIdx.x); v < kSlotBytes / 16; v += kThreads)
+      *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (n - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
+    wgmma::fence_proxy_async();
+  }
   __syncthreads();
   // WG 1 and 2 (idle until WG 0 fills a slot) issue the loads, so that WG 0 starts on tile 0 as
   // soon as it lands: tile t (rows 64t .. 64t + 63 of Q, dO, K, V and lse) on mbarrier t. Rows at
@@ -164,24 +177,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int r_lo = i * kQTile + warp * 16 + g, r_hi = r_lo + 8;
       const uint32_t q_i = s_q + i * kTile, do_i = s_do + i * kTile;
       float l_lo = 0.0f, l_hi = 0.0f, d_lo = 0.0f, d_hi = 0.0f;
-      for (int c = 0; c < n; ++c) {
+      // Key tile c, its first W columns: 64, or in the last tile the 16 or 32 that cover its keys.
+      const auto key_tile = [&](int c, auto width) {
+        constexpr int W = decltype(width)::value;
         if (i == 0) mbar_wait(s_bar + 8 * c, 0);  // tile c's K, V (and at c = 0 Q_0, dO_0)
         else if (c == 0) mbar_wait(s_bar + 8 * i, 0);
         if (c == 0) l_lo = stats[i * 128 + warp * 16 + g] * kLog2e, l_hi = stats[i * 128 + warp * 16 + g + 8] * kLog2e;
         wgmma::fence_proxy_async();
-        float sc[32], dp[32];
+        float sc[W / 2], dp[W / 2];
         wgmma::fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma::Mma<64>::ss(sc, kmajor_desc<HD>(q_i, kk), kmajor_desc<HD>(s_k + c * kTile, kk), kk > 0);
+          wgmma::Mma<W>::ss(sc, kmajor_desc<HD>(q_i, kk), kmajor_desc<HD>(s_k + c * kTile, kk), kk > 0);
         wgmma::commit();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma::Mma<64>::ss(dp, kmajor_desc<HD>(do_i, kk), kmajor_desc<HD>(s_v + c * kTile, kk), kk > 0);
+          wgmma::Mma<W>::ss(dp, kmajor_desc<HD>(do_i, kk), kmajor_desc<HD>(s_v + c * kTile, kk), kk > 0);
         wgmma::commit();
         wgmma::wait<1>();  // S: P = exp(S scale - lse) while dP is in flight; 0 for keys at or past T
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < W / 8; ++j) {
           sc[4 * j] = exp2_approx(fmaf(sc[4 * j], scale_log2, -l_lo));
           sc[4 * j + 1] = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, -l_lo));
           sc[4 * j + 2] = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, -l_hi));
@@ -196,11 +211,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           d_lo = stats[i * 128 + 64 + warp * 16 + g], d_hi = stats[i * 128 + 64 + warp * 16 + g + 8];
         }
         if (i > 0) bar_sync(kEmpty + c, 256);  // the owner is done with tile i - 1's slot c
-        // P and dS = P (dP - delta) into the slot as bf16 pairs.
+        // P and dS = P (dP - delta) into the slot's first W columns as bf16 pairs.
         const uint32_t slot = s_slot + c * kSlotBytes;
         const int row = warp * 16 + g;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < W / 8; ++j) {
           const int col = 8 * j + 2 * q;
           const float p0 = sc[4 * j], p1 = sc[4 * j + 1], p2 = sc[4 * j + 2], p3 = sc[4 * j + 3];
           const uint32_t lo = slot + slot_offset(row, col), hi = slot + slot_offset(row + 8, col);
@@ -215,7 +230,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         wgmma::fence_proxy_async();
         bar_arrive(kFull + c, 256);
-      }
+      };
+      for (int c = 0; c + 1 < n; ++c) key_tile(c, std::integral_constant<int, 64>{});
+      if (last_k16 > 2) key_tile(n - 1, std::integral_constant<int, 64>{});
+      else if (last_k16 == 2) key_tile(n - 1, std::integral_constant<int, 32>{});
+      else key_tile(n - 1, std::integral_constant<int, 16>{});
       // dQ_i = dS_i K over the n slots (K-major dS as A, K MN-major as B).
       bar_sync(kRows, 128);  // every thread of WG 0 has stored (and fenced) its part of the slots
       float dq[HD / 2];
@@ -286,23 +305,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(s_bar + 8 * i, 0);  // Q_i, dO_i
       wgmma::fence_proxy_async();
       const uint32_t q_i = s_q + i * kTile, do_i = s_do + i * kTile;
+      // Over the tile's queries: 4 k16 steps, in a last, partial tile the 1 or 2 that cover them.
+      const auto products = [&](auto steps) {
+        constexpr int kSteps = decltype(steps)::value;
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const int c = 2 * j + t;
-        if (c < n) {
-          bar_sync(kFull + c, 256);
-          const uint32_t slot = s_slot + c * kSlotBytes;
-          wgmma::fence();
+        for (int t = 0; t < 2; ++t) {
+          const int c = 2 * j + t;
+          if (c < n) {
+            bar_sync(kFull + c, 256);
+            const uint32_t slot = s_slot + c * kSlotBytes;
+            wgmma::fence();
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma::Mma<HD>::ss_tt(dv[t], wgmma::descriptor(slot + kk * 2048, 1024, 128), mnmajor_desc<HD>(do_i, kk), 1);
+            for (int kk = 0; kk < kSteps; ++kk)
+              wgmma::Mma<HD>::ss_tt(dv[t], wgmma::descriptor(slot + kk * 2048, 1024, 128), mnmajor_desc<HD>(do_i, kk), 1);
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma::Mma<HD>::ss_tt(dk[t], wgmma::descriptor(slot + 8192 + kk * 2048, 1024, 128),
-                                  mnmajor_desc<HD>(q_i, kk), 1);
-          wgmma::commit();
+            for (int kk = 0; kk < kSteps; ++kk)
+              wgmma::Mma<HD>::ss_tt(dk[t], wgmma::descriptor(slot + 8192 + kk * 2048, 1024, 128),
+                                    mnmajor_desc<HD>(q_i, kk), 1);
+            wgmma::commit();
+          }
         }
-      }
+      };
+      if (i + 1 < n || last_k16 > 2) products(std::integral_constant<int, 4>{});
+      else if (last_k16 == 2) products(std::integral_constant<int, 2>{});
+      else products(std::integral_constant<int, 1>{});
       wgmma::wait<0>();
       if (i + 1 < n)
 #pragma unroll

@@ -409,8 +409,10 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
                   Shape{1, 96, 2, 64}, Shape{2, 16, 1, 32}, Shape{2, 81, 1, 80}, Shape{2, 65, 1, 64},
                   Shape{1, 33, 1, 80}, Shape{2, 1, 2, 64}, Shape{1, 97, 1, 16},
                   // the resident backward's: four whole tiles, three with a partial one, T = 128
-                  // (two tiles: WG 2 owns none), 193 (a fourth tile of one row)
-                  Shape{1, 256, 1, 80}, Shape{3, 130, 2, 64}, Shape{1, 128, 2, 64}, Shape{2, 193, 1, 64}}) {
+                  // (two tiles: WG 2 owns none), 193 (a fourth tile of one row), 236 (a fourth
+                  // of 44 rows: three k16 steps; the shapes above have one, two and four)
+                  Shape{1, 256, 1, 80}, Shape{3, 130, 2, 64}, Shape{1, 128, 2, 64}, Shape{2, 193, 1, 64},
+                  Shape{1, 236, 2, 80}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {

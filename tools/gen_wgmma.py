@@ -6,7 +6,7 @@ preprocessor cannot spell out for a template parameter; hence a generated header
 these by hand). Run from the repository root: python3 tools/gen_wgmma.py > kernels/wgmma.cuh
 """
 
-SHAPES = (64, 80)  # N: 64 keys (S, dP), the head dims 64 and 80 (dQ, dK, dV)
+SHAPES = (16, 32, 64, 80)  # N: 64 keys (S, dP; 16 or 32 in a last, partial key tile), the head dims (dQ, dK, dV)
 
 # name, transpose A, transpose B, comment
 VARIANTS = (
