@@ -198,6 +198,10 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
     CUDA_CHECK(cudaMalloc(&norm_partial_, l2_norm_partial_floats() * sizeof(float)));
   }
   model_->set_label_smoothing(static_cast<float>(opts_.label_smoothing));
+  // --attention streamed and resident name a family: its forward runs too (single-pass has none).
+  model_->set_attention_forward(opts_.attention == "resident"   ? AttentionForward::Resident
+                                : opts_.attention == "streamed" ? AttentionForward::Streamed
+                                                                : AttentionForward::Auto);
   model_->set_attention_backward(opts_.attention == "single-pass" ? AttentionBackward::SinglePass
                                  : opts_.attention == "resident"  ? AttentionBackward::Resident
                                  : opts_.attention == "streamed"  ? AttentionBackward::Streamed
@@ -371,14 +375,19 @@ void Trainer::print_summary() const {
   else
     std::printf("  precision   bf16: bf16 GEMMs and attention with fp32 accumulation; fp32 LayerNorm, softmax, loss,\n"
                 "              residual stream, master weights, gradients and momentum\n");
-  // Which backward runs: the one asked for, or under auto the fastest that applies (attention.h).
+  // Which kernels run: the ones asked for, or under auto the fastest that apply (attention.h).
   const bool single_pass = attention_single_pass_supported(cfg.tokens(), cfg.head_dim());
   const bool resident = attention_resident_supported(cfg.tokens(), cfg.head_dim());
   const char* backward = opts_.attention != "auto" ? opts_.attention.c_str()
                          : single_pass             ? "single-pass"
                          : resident                ? "resident"
                                                    : "streamed";
-  std::printf("  attention   fused, %s backward (--attention %s)\n", backward, opts_.attention.c_str());
+  const char* forward = opts_.attention == "resident" || opts_.attention == "streamed" ? opts_.attention.c_str()
+                        : attention_forward_auto_choice(cfg.tokens(), cfg.head_dim()) == AttentionForward::Resident
+                            ? "resident"
+                            : "streamed";
+  std::printf("  attention   fused, %s forward, %s backward (--attention %s)\n", forward, backward,
+              opts_.attention.c_str());
   if (train_loader_)
     std::printf("  data        %s: %d training images (%d batches an epoch, shuffled), %d test\n",
                 data_summary_.c_str(), train_count_, train_loader_->batches_per_epoch(), test_count_);

@@ -1090,11 +1090,20 @@ std::string attention_unsupported_reason(int T, int hd) {
 }
 
 void attention_forward(const bf16* qkv, bf16* out, float* lse, int B, int T, int H, int hd,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, AttentionForward kind) {
   const int dev = require_shape("attention_forward", B, T, H, hd);
   ENSURE(qkv && out && lse, "attention_forward: null pointer");
   ENSURE(is_aligned16(qkv) && is_aligned16(out), "attention_forward: qkv/out must be 16-byte aligned");
   NvtxRange range("attention_forward");
+  const bool resident = attention_forward_resident_fits(T, hd, dev);
+  ENSURE(kind != AttentionForward::Resident || resident,
+         "attention_forward: the resident kernel takes T <= 256 and hd 64 or 80 on sm_90a; T " + std::to_string(T) +
+             ", hd " + std::to_string(hd));
+  if (kind == AttentionForward::Resident ||
+      (kind == AttentionForward::Auto && attention_forward_resident_preferred(T, hd, dev))) {
+    attention_forward_resident(qkv, out, lse, B, T, H, hd, dev, stream);
+    return;
+  }
   const dim3 grid((T + kTile - 1) / kTile, H, B);
   dispatch_hd(hd, [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
@@ -1119,6 +1128,20 @@ bool attention_single_pass_supported(int T, int hd) {
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   return single_pass_fits(T, hd, dev);
+}
+
+bool attention_forward_resident_supported(int T, int hd) {
+  if (!attention_unsupported_reason(T, hd).empty()) return false;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  return attention_forward_resident_fits(T, hd, dev);
+}
+
+AttentionForward attention_forward_auto_choice(int T, int hd) {
+  if (!attention_unsupported_reason(T, hd).empty()) return AttentionForward::Streamed;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  return attention_forward_resident_preferred(T, hd, dev) ? AttentionForward::Resident : AttentionForward::Streamed;
 }
 
 bool attention_resident_supported(int T, int hd) {

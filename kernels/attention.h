@@ -14,10 +14,20 @@
 
 #include <string>
 
+// The forward's kernels. Streamed: mma.sync, one block per 64-query tile with the keys streamed
+// through shared memory, any T. Resident: wgmma (sm_90a), one CTA per (image, head) with Q, K and
+// V resident, for T <= 256 and hd 64 or 80 (attention_forward_resident_supported;
+// kernels/attention_resident.cu). Auto: Resident where it is the faster (193 to 208 tokens at
+// hd 80, 193 to 256 at hd 64: ViT's 197), else Streamed.
+enum class AttentionForward { Auto, Streamed, Resident };
+bool attention_forward_resident_supported(int T, int hd);
+// The forward Auto takes at (T, hd) on the current device.
+AttentionForward attention_forward_auto_choice(int T, int hd);
+
 // out = softmax(Q K^T / sqrt(hd)) V per (image, head); lse = natural-log-sum-exp of each query
 // row's scaled scores (kept for the backward).
 void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse, int B, int T,
-                       int H, int hd, cudaStream_t stream);
+                       int H, int hd, cudaStream_t stream, AttentionForward kind = AttentionForward::Auto);
 
 // The backward's kernels. Streamed: dK/dV over key tiles and dQ over query tiles, each
 // recomputing the scores, any T. SinglePass: one block per (image, head) holding K, V, Q and dO

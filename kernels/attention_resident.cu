@@ -1,6 +1,6 @@
-// The attention backward for short sequences on Hopper's warpgroup MMAs (wgmma, sm_90a), every
-// operand resident in shared memory: one CTA per (image, head), T <= 256, hd 64 or 80. Q, K, V
-// and dO are loaded once (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed once:
+// The attention backward (and, further down, the forward) for short sequences on Hopper's
+// warpgroup MMAs (wgmma, sm_90a), every operand resident in shared memory: one CTA per (image,
+// head), T <= 256, hd 64 or 80. Backward: Q, K, V and dO are loaded once (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed once:
 // the streamed kernels (attention.cu) read the other side 4 times over and compute both twice.
 // Three warpgroups:
 //   WG 0 (rows): per query tile i and key tile c: S = Q_i K_c^T, dP = dO_i V_c^T, P, and
@@ -53,6 +53,13 @@ __device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile, int kk) {
 template <int HD>
 __device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile, int j) {
   return wgmma::descriptor(tile + j * 2 * HD * 16, HD * 16, 128);
+}
+// desc advanced by bytes (a multiple of 16) at the point of use: volatile, so that the compiler does
+// not hoist every step's descriptor out of a loop and hold them in registers (the forward spills).
+__device__ __forceinline__ uint64_t desc_step(uint64_t desc, uint32_t bytes) {
+  uint64_t out;
+  asm volatile("add.s64 %0, %1, %2;\n" : "=l"(out) : "l"(desc), "l"(uint64_t(bytes >> 4)));
+  return out;
 }
 
 constexpr int kThreads = 384, kLoaders = 256;
@@ -359,6 +366,188 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Forward: one CTA of two warpgroups per (image, head). Q (n tiles of 64 rows), K and V (rows up
+// to kv_rows(T): the last tile only as far as its rows reach, rounded to 16 or 64) are
+// loaded once, tile t on mbarrier t; warpgroup w takes query tiles w, w + 2. Per query tile, an
+// online softmax over key chunks of 64 (the last as wide as kv_rows leaves it):
+//   S = Q_i K_c^T (A, B K-major in shared memory), P = exp(S scale - m) in registers, packed to
+//   bf16 as the A operand of O += P V_c (V MN-major as B), which runs while the next chunk's S
+//   is issued. O / l goes out through the tile's Q buffer in whole 16-byte vectors.
+// 128 registers a thread and, at T <= 208 and hd 80, under half the shared memory: two CTAs an
+// SM, so that one loads while the other computes.
+constexpr int kFwdThreads = 256;
+__host__ __device__ constexpr int last_width(int T) {  // key columns computed in the last chunk
+  // 16 or 64 (a third width, 32, makes ptxas spill at hd 80)
+  return T - (tiles(T) - 1) * kQTile <= 16 ? 16 : 64;
+}
+__host__ __device__ constexpr int kv_rows(int T) { return (tiles(T) - 1) * kQTile + last_width(T); }
+__host__ __device__ constexpr int fwd_smem_bytes(int T, int hd) {
+  return tiles(T) * q_bytes(hd) + 2 * kv_rows(T) * hd * 2 + 8 * 4;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kFwdThreads, 2)
+    attention_forward_resident_kernel(const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse,
+                                      int T, int H, float scale) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  constexpr int kTile = q_bytes(HD);
+  const int n = tiles(T), rows_kv = kv_rows(T);
+  const uint32_t s_q = smem_addr(smem), s_k = s_q + n * kTile, s_v = s_k + rows_kv * HD * 2,
+                 s_bar = s_v + rows_kv * HD * 2;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int D = H * HD;
+  const size_t ld = 3 * size_t(D);
+  const bf16* q_src = qkv + size_t(b) * T * ld + h * HD;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
+            q = lane & 3;
+
+  if (threadIdx.x == 0)
+    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kFwdThreads);
+  __syncthreads();
+  // Every thread loads: tile t (Q rows 64t .. 64t + 63, K and V rows 64t .. up to rows_kv) lands on
+  // mbarrier t. Rows at or past T are zero (K's get probability 0 by the mask, V's then add nothing).
+  // Thread x copies 16-byte vector x % kVecs of rows x / kVecs + kRowStep j: a multiple of 8 rows
+  // apart, so that source and destination advance by constants (no divisions in the loop).
+  constexpr int kVecs = HD / 8;                       // 16-byte vectors a row
+  constexpr int kRowStep = kFwdThreads / kVecs / 8 * 8;  // 24 at hd 80, 32 at hd 64
+  const int x = int(threadIdx.x), col = x % kVecs, row0 = x / kVecs;
+  if (row0 < kRowStep) {
+    const uint32_t dst0 = kmajor_offset<HD>(row0, col);
+    const bf16* src0 = q_src + size_t(row0) * ld + col * 8;
+#pragma unroll 1
+    for (int t = 0; t < n; ++t) {
+      const int kv_end = min(rows_kv - t * kQTile, kQTile);
+#pragma unroll 1
+      for (int r = 0; r < kQTile; r += kRowStep) {
+        if (row0 + r < kQTile) {
+          const int row = t * kQTile + r + row0;
+          const uint32_t dst = t * kTile + dst0 + r / 8 * HD * 16;
+          const bf16* src = row < T ? src0 + size_t(t * kQTile + r) * ld : q_src;
+          cp_async_16(s_q + dst, src, row < T);
+          if (row0 + r < kv_end) {
+            cp_async_16(s_k + dst, src + D, row < T);
+            cp_async_16(s_v + dst, src + 2 * D, row < T);
+          }
+        }
+      }
+      cp_async_arrive(s_bar + 8 * t);
+    }
+  } else {
+    for (int t = 0; t < n; ++t) cp_async_arrive(s_bar + 8 * t);
+  }
+
+  const float scale_log2 = scale * kLog2e;
+  for (int i = wg; i < n; i += 2) {
+    const uint32_t q_i = s_q + i * kTile;
+    float o[HD / 2];
+    uint32_t pa[4][4];  // P as bf16 A fragments, one k16 step (16 keys) each
+#pragma unroll
+    for (int e = 0; e < HD / 2; ++e) o[e] = 0.0f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;  // rows g and g + 8 of the warp
+    mbar_wait(s_bar + 8 * i, 0);  // Q_i
+
+    // Key chunk c, its first W columns: S = Q_i K_c^T while the previous chunk's O += P V may
+    // still run, then the softmax, then O += P V_c, left running.
+    const auto chunk = [&](int c, auto width) {
+      constexpr int W = decltype(width)::value;
+      float sc[W / 2];
+      mbar_wait(s_bar + 8 * c, 0);  // K_c, V_c
+      wgmma::fence_proxy_async();
+      wgmma::fence();
+      const uint64_t q_desc = kmajor_desc<HD>(q_i, 0), k_desc = kmajor_desc<HD>(s_k + c * kTile, 0);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk)
+        wgmma::Mma<W>::ss(sc, desc_step(q_desc, kk * 256), desc_step(k_desc, kk * 256), kk > 0);
+      wgmma::commit();
+      wgmma::wait<0>();  // S, and O += P V of chunk c - 1 (o and pa are free)
+      if (c + 1 == n) {  // keys at or past T: score -inf, probability 0
+#pragma unroll
+        for (int j = 0; j < W / 8; ++j) {
+          const int key = c * kQTile + 8 * j + 2 * q;
+          if (key >= T) sc[4 * j] = sc[4 * j + 2] = -INFINITY;
+          if (key + 1 >= T) sc[4 * j + 1] = sc[4 * j + 3] = -INFINITY;
+        }
+      }
+      float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+      for (int j = 0; j < W / 8; ++j) {
+        mx_lo = fmaxf(mx_lo, fmaxf(sc[4 * j], sc[4 * j + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
+      }
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+      // Every chunk has a real key, so the maxima are finite; the first correction is exp2(-inf) = 0.
+      const float corr_lo = exp2_approx((m_lo - mx_lo) * scale_log2), corr_hi = exp2_approx((m_hi - mx_hi) * scale_log2);
+      m_lo = mx_lo, m_hi = mx_hi;
+      const float neg_lo = -mx_lo * scale_log2, neg_hi = -mx_hi * scale_log2;
+      float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+      for (int j = 0; j < W / 8; ++j) {
+        const float p0 = exp2_approx(fmaf(sc[4 * j], scale_log2, neg_lo));
+        const float p1 = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, neg_lo));
+        const float p2 = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, neg_hi));
+        const float p3 = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, neg_hi));
+        sum_lo += p0 + p1;
+        sum_hi += p2 + p3;
+        pa[j / 2][(j % 2) * 2] = pack_bf16x2(p0, p1);      // a0 / a2: row g, keys 16 (j/2) + 8 (j%2) + 2q
+        pa[j / 2][(j % 2) * 2 + 1] = pack_bf16x2(p2, p3);  // a1 / a3: row g + 8
+      }
+      l_lo = fmaf(l_lo, corr_lo, sum_lo);
+      l_hi = fmaf(l_hi, corr_hi, sum_hi);
+#pragma unroll
+      for (int e = 0; e < HD / 8; ++e) {
+        o[4 * e] *= corr_lo, o[4 * e + 1] *= corr_lo;
+        o[4 * e + 2] *= corr_hi, o[4 * e + 3] *= corr_hi;
+      }
+      wgmma::fence();  // o and pa written before the wgmmas read them
+      const uint64_t v_desc = mnmajor_desc<HD>(s_v + c * kTile, 0);
+#pragma unroll
+      for (int kk = 0; kk < W / 16; ++kk) wgmma::Mma<HD>::rs_bt(o, pa[kk], desc_step(v_desc, kk * 2 * HD * 16), 1);
+      wgmma::commit();
+    };
+    for (int c = 0; c + 1 < n; ++c) chunk(c, std::integral_constant<int, 64>{});
+    const int last_w = last_width(T);
+    if (last_w == 16) chunk(n - 1, std::integral_constant<int, 16>{});
+    else chunk(n - 1, std::integral_constant<int, 64>{});
+    wgmma::wait<0>();
+
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+    const int r_lo = i * kQTile + warp * 16 + g, r_hi = r_lo + 8;
+    float* lse_bh = lse + (size_t(b) * H + h) * T;
+    if (q == 0) {
+      if (r_lo < T) lse_bh[r_lo] = m_lo * scale + logf(l_lo);
+      if (r_hi < T) lse_bh[r_hi] = m_hi * scale + logf(l_hi);
+    }
+    // O / l as bf16 through this warpgroup's Q_i tile (its last reader, S, has completed), then out
+    // to global in whole 16-byte vectors, a row's in consecutive lanes (from the fragments directly,
+    // each 32-byte sector would be written half).
+    const float inv_lo = 1.0f / l_lo, inv_hi = 1.0f / l_hi;
+    unsigned char* stage = smem + i * kTile;
+    bar_sync(1 + wg, 128);  // every warp of the warpgroup is past its S products
+    const int row = warp * 16 + g;
+#pragma unroll
+    for (int m = 0; m < HD / 8; ++m) {
+      *reinterpret_cast<uint32_t*>(stage + kmajor_offset<HD>(row, m) + 4 * q) = pack_bf16x2(o[4 * m] * inv_lo, o[4 * m + 1] * inv_lo);
+      *reinterpret_cast<uint32_t*>(stage + kmajor_offset<HD>(row + 8, m) + 4 * q) =
+          pack_bf16x2(o[4 * m + 2] * inv_hi, o[4 * m + 3] * inv_hi);
+    }
+    bar_sync(1 + wg, 128);
+    bf16* o_dst = out + (size_t(b) * T + i * kQTile) * D + h * HD;
+    const int valid = min(T - i * kQTile, kQTile);
+    for (int v = int(threadIdx.x) % 128; v < valid * kVecs; v += 128) {
+      const int r = v / kVecs, c = v % kVecs;
+      *reinterpret_cast<uint4*>(o_dst + size_t(r) * D + c * 8) = *reinterpret_cast<const uint4*>(stage + kmajor_offset<HD>(r, c));
+    }
+  }
+}
+
 }  // namespace
 
 bool attention_resident_fits(int T, int hd, int dev) {
@@ -378,6 +567,33 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
     attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
         qkv, out, dout, lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+    LAUNCH_CHECK();
+  };
+  if (hd == 64) launch(std::integral_constant<int, 64>{});
+  else launch(std::integral_constant<int, 80>{});
+}
+
+bool attention_forward_resident_fits(int T, int hd, int dev) {
+  if (T < 1 || T > 4 * kQTile || (hd != 64 && hd != 80)) return false;
+  const DeviceInfo info = device_info(dev);
+  return info.major == 9 && info.minor == 0 && fwd_smem_bytes(T, hd) <= info.smem_optin;
+}
+
+bool attention_forward_resident_preferred(int T, int hd, int dev) {
+  if (!attention_forward_resident_fits(T, hd, dev)) return false;
+  const DeviceInfo info = device_info(dev);
+  return tiles(T) == 4 && 2 * (fwd_smem_bytes(T, hd) + info.smem_reserved) <= info.smem_per_sm;
+}
+
+void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, int T, int H, int hd, int dev,
+                                cudaStream_t stream) {
+  ENSURE(attention_forward_resident_fits(T, hd, dev), "attention_forward_resident: T " + std::to_string(T) + ", hd " +
+                                                          std::to_string(hd) + " is not its shape (T <= 256, hd 64 or 80, sm_90a)");
+  const auto launch = [&](auto hd_c) {
+    constexpr int HD = decltype(hd_c)::value;
+    prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
+    attention_forward_resident_kernel<HD><<<dim3(H, B), kFwdThreads, fwd_smem_bytes(T, HD), stream>>>(
+        qkv, out, lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});

@@ -1,14 +1,23 @@
-// The attention backward with Q, K, V and dO resident in shared memory, on wgmma (sm_90a): one
-// CTA per (image, head), T <= 256, hd 64 or 80 (kernels/attention_resident.cu). Reached through
-// attention_backward (kernels/attention.h, AttentionBackward::Resident), which validates the
-// arguments; same contract (every element of dqkv written, deterministic), and it computes
-// rowsum(dout * out) itself (no delta workspace).
+// The attention forward and backward with their operands resident in shared memory, on wgmma
+// (sm_90a): one CTA per (image, head), T <= 256, hd 64 or 80 (kernels/attention_resident.cu).
+// Reached through attention_forward and attention_backward (kernels/attention.h,
+// AttentionForward::Resident, AttentionBackward::Resident), which validate the arguments; the same
+// contracts. The backward computes rowsum(dout * out) itself (no delta workspace).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-// Whether (T, hd) runs on this kernel on device dev (sm_90a, enough shared memory).
+// Whether (T, hd) runs on these kernels on device dev (sm_90a, enough shared memory).
 bool attention_resident_fits(int T, int hd, int dev);
+bool attention_forward_resident_fits(int T, int hd, int dev);
+// Whether it is the faster forward there, as measured (BENCHMARKS.md 25): four 64-query tiles (its
+// two warpgroups take them in turns; three leave one idle at the end, and at two tiles the streamed
+// kernel is faster) and room for two CTAs an SM (one loads while the other computes): ViT's 197
+// tokens at hd 64 or 80.
+bool attention_forward_resident_preferred(int T, int hd, int dev);
+
+void attention_forward_resident(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse, int B, int T, int H, int hd,
+                                int dev, cudaStream_t stream);
 
 void attention_backward_resident(const __nv_bfloat16* qkv, const __nv_bfloat16* out, const __nv_bfloat16* dout,
                                  const float* lse, __nv_bfloat16* dqkv, int B, int T, int H, int hd, int dev,

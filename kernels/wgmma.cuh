@@ -34,7 +34,9 @@ struct Mma;
 template <>
 struct Mma<16> {
   // d (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
-  __device__ __forceinline__ static void ss(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 8, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
@@ -42,7 +44,9 @@ struct Mma<16> {
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
-  __device__ __forceinline__ static void ss_bt(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss_bt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 8, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 1;\n}\n"
@@ -50,7 +54,9 @@ struct Mma<16> {
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
-  __device__ __forceinline__ static void ss_tt(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss_tt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 8, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 1, 1;\n}\n"
@@ -62,7 +68,9 @@ struct Mma<16> {
 template <>
 struct Mma<32> {
   // d (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
-  __device__ __forceinline__ static void ss(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 16, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
@@ -70,7 +78,9 @@ struct Mma<32> {
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
-  __device__ __forceinline__ static void ss_bt(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss_bt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 16, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 1;\n}\n"
@@ -78,7 +88,9 @@ struct Mma<32> {
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
-  __device__ __forceinline__ static void ss_tt(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss_tt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 16, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
@@ -90,7 +102,9 @@ struct Mma<32> {
 template <>
 struct Mma<64> {
   // d (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
-  __device__ __forceinline__ static void ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 32, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
@@ -98,7 +112,9 @@ struct Mma<64> {
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
-  __device__ __forceinline__ static void ss_bt(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss_bt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 32, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
@@ -106,19 +122,34 @@ struct Mma<64> {
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
-  __device__ __forceinline__ static void ss_tt(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss_tt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 32, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a), "l"(b), "r"(accumulate));
   }
+  // d (+)= A B, A [64 x 16] bf16 pairs in registers (a[4], the m16n8k16 A layout per warp), B [16 x N]
+  // MN-major (N contiguous) in shared memory (descriptor).
+  template <int M>
+  __device__ __forceinline__ static void rs_bt(float (&d)[M], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+    static_assert(M >= 32, "accumulator array too small");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
 };
 
 template <>
 struct Mma<80> {
   // d (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
-  __device__ __forceinline__ static void ss(float (&d)[40], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 40, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
@@ -126,7 +157,9 @@ struct Mma<80> {
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
-  __device__ __forceinline__ static void ss_bt(float (&d)[40], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss_bt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 40, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 1;\n}\n"
@@ -134,12 +167,25 @@ struct Mma<80> {
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
-  __device__ __forceinline__ static void ss_tt(float (&d)[40], uint64_t a, uint64_t b, int accumulate) {
+  template <int M>
+  __device__ __forceinline__ static void ss_tt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(M >= 40, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
         : "l"(a), "l"(b), "r"(accumulate));
+  }
+  // d (+)= A B, A [64 x 16] bf16 pairs in registers (a[4], the m16n8k16 A layout per warp), B [16 x N]
+  // MN-major (N contiguous) in shared memory (descriptor).
+  template <int M>
+  __device__ __forceinline__ static void rs_bt(float (&d)[M], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+    static_assert(M >= 40, "accumulator array too small");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, {%40, %41, %42, %43}, %44, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
   }
 };
 

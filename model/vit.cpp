@@ -373,7 +373,7 @@ void ViT::forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer)
   { auto t = timer.op(OpKind::Gemm, st);
     gemm.linear_forward(a.ln1, pb(L[kQkv].w), pb(L[kQkv].b), nullptr, a.qkv, DType::BF16, M_, 3 * D, D, st); }
   { auto t = timer.op(OpKind::Attention, st);
-    attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
+    attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st, attention_forward_); }
   { auto t = timer.op(OpKind::Gemm, st);
     gemm.linear_forward(a.attn, pb(L[kProj].w), p(L[kProj].b), x, resid(2 * l + 1), DType::F32, M_, D, D, st); }
   { auto t = timer.op(OpKind::LayerNorm, st);
@@ -399,7 +399,7 @@ void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) 
     }); }
   { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kQkv, x8_, nullptr, a.qkv, DType::BF16, st); }
   { auto t = timer.op(OpKind::Attention, st);
-    attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st); }
+    attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st, attention_forward_); }
   { auto t = timer.op(OpKind::Fp8Cast, st);  // the attention output stays in bf16 for its own backward
     produce_fp8(meta(l, kProj, kInput), Fp8Kind::E4M3, x8_, nullptr, st,
                 [&](const Fp8Out& o) { cast_to_fp8(a.attn, M_, D, o, st); }); }

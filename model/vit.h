@@ -102,7 +102,8 @@ class ViT {
   void set_amax_reducer(std::function<void(float*, int, cudaStream_t)> reduce) { amax_reduce_ = std::move(reduce); }
   // The loss's label smoothing (PyTorch's CrossEntropyLoss(label_smoothing=...)).
   void set_label_smoothing(float s) { label_smoothing_ = s; }
-  // Which attention backward kernels run (kernels/attention.h; Auto by default).
+  // Which attention kernels run (kernels/attention.h; Auto by default).
+  void set_attention_forward(AttentionForward kind) { attention_forward_ = kind; }
   void set_attention_backward(AttentionBackward kind) { attention_backward_ = kind; }
   // Data-parallel ranks whose gradients are summed: the loss gradient is divided by them too, so
   // the sum is the global batch's mean gradient.
@@ -198,6 +199,7 @@ class ViT {
   float* fp8_amax_scratch_ = nullptr;
   bool fp8_recording_ = true, fp8_counting_ = false;
   float label_smoothing_ = 0.0f;
+  AttentionForward attention_forward_ = AttentionForward::Auto;
   AttentionBackward attention_backward_ = AttentionBackward::Auto;
   int gradient_ranks_ = 1;
   unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting

@@ -429,9 +429,20 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
 
     DeviceBuffer<bf16> dqkv_in(to_bf16(qkv)), out(rows * D), ddout(to_bf16(dout)), dqkv(rows * 3 * D);
     DeviceBuffer<float> lse(rows * s.H), delta(rows * s.H);
-    attention_forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0);
-    CHECK(rel_error(to_f64(out.download()), out_ref) < 1e-2);
-    CHECK(rel_error(to_f64(lse.download()), lse_ref) < 1e-4);
+    // Every forward that applies, poisoned outputs each; the backward then runs on Auto's.
+    const bool resident_fwd = attention_forward_resident_supported(s.T, s.hd);
+    CHECK(resident_fwd == (s.T <= 256 && (s.hd == 64 || s.hd == 80)));
+    std::vector<AttentionForward> forwards = {AttentionForward::Streamed};
+    if (resident_fwd) forwards.push_back(AttentionForward::Resident);
+    forwards.push_back(AttentionForward::Auto);
+    for (const AttentionForward kind : forwards) {
+      CAPTURE(static_cast<int>(kind));
+      out.poison();
+      lse.poison();
+      attention_forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0, kind);
+      CHECK(rel_error(to_f64(out.download()), out_ref) < 1e-2);
+      CHECK(rel_error(to_f64(lse.download()), lse_ref) < 1e-4);
+    }
     // Every backward that applies (the streamed one everywhere). The resident one needs sm_90a:
     // the test machines are Hopper, and anywhere else it must say so.
     std::vector<AttentionBackward> kinds = {AttentionBackward::Streamed};

@@ -2,8 +2,8 @@
 // forward, backward and both, CUDA events, median of 20 after 5 untimed. FLOPs as
 // FlashAttention counts them: forward 4 B H T^2 hd, backward 2.5x that (the score recompute
 // included); tools/attention_bench.py measures PyTorch's cuDNN and flash backends the same way.
-// The backward is the default choice; where the single pass applies, both paths are also timed
-// on lines of their own.
+// Forward and backward are the default choices; where more than one kernel applies, each is also
+// timed on a line of its own.
 // Usage: attention_rate [B H T HD ...]   (default: ViT-H/16 at batch 64, ViT-L/16 at 384 px,
 //                                       ViT-B/16, ViT-S/16 at batch 256)
 #include <cuda_bf16.h>
@@ -79,6 +79,14 @@ int main(int argc, char** argv) {
               median_event_ms([&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0, kind); });
           std::printf("%-22s %10s %10.3f %10s   (%s backward)\n", name, "", ms, "", label);
           std::printf("RESULT attention_%s shape=%d,%d,%d,%d bwd_ms=%.4f\n", label, B, H, T, hd, ms);
+        }
+      // Both forwards where the resident one applies.
+      if (attention_forward_resident_supported(T, hd))
+        for (const auto& [kind, label] : {std::pair{AttentionForward::Streamed, "streamed"},
+                                          std::pair{AttentionForward::Resident, "resident"}}) {
+          const double ms = median_event_ms([&] { attention_forward(qkv, out, lse, B, T, H, hd, 0, kind); });
+          std::printf("%-22s %10.3f %10s %10s   (%s forward)\n", name, ms, "", "", label);
+          std::printf("RESULT attention_fwd_%s shape=%d,%d,%d,%d fwd_ms=%.4f\n", label, B, H, T, hd, ms);
         }
       for (void* p : {static_cast<void*>(tmp), static_cast<void*>(qkv), static_cast<void*>(dqkv), static_cast<void*>(out),
                       static_cast<void*>(dout), static_cast<void*>(lse), static_cast<void*>(delta)})

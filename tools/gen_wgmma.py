@@ -8,6 +8,8 @@ these by hand). Run from the repository root: python3 tools/gen_wgmma.py > kerne
 
 SHAPES = (16, 32, 64, 80)  # N: 64 keys (S, dP; 16 or 32 in a last, partial key tile), the head dims (dQ, dK, dV)
 
+RS_SHAPES = (64, 80)  # O += P V in the forward: N = the head dim
+
 # name, transpose A, transpose B, comment
 VARIANTS = (
     ("ss", 0, 0, "A [64 x 16] and B [N x 16] both K-major in shared memory"),
@@ -16,17 +18,41 @@ VARIANTS = (
 )
 
 
+# Each wrapper takes an accumulator array of at least N/2 floats and uses its first N/2: a narrow
+# product can then write into the first columns of a wider tile's registers.
 def wrapper(n, name, tnsp_a, tnsp_b, comment):
     k = n // 2
     acc = ", ".join(f"%{i}" for i in range(k))
     operands = ", ".join(f'"+f"(d[{i}])' for i in range(k))
     return f'''  // d (+)= A B, {comment} (descriptors).
-  __device__ __forceinline__ static void {name}(float (&d)[{k}], uint64_t a, uint64_t b, int accumulate) {{
+  template <int M>
+  __device__ __forceinline__ static void {name}(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {{
+    static_assert(M >= {k}, "accumulator array too small");
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{acc}}}, %{k}, %{k + 1}, p, 1, 1, {tnsp_a}, {tnsp_b};\\n}}\\n"
         : {operands}
         : "l"(a), "l"(b), "r"(accumulate));
+  }}
+'''
+
+
+# A from registers (the accumulator layout's 64 x 16 slice as bf16 pairs: a0 row g, columns
+# 2q, 2q+1; a1 row g + 8; a2, a3 the same 8 columns on), B MN-major in shared memory.
+def wrapper_rs(n):
+    k = n // 2
+    acc = ", ".join(f"%{i}" for i in range(k))
+    operands = ", ".join(f'"+f"(d[{i}])' for i in range(k))
+    return f'''  // d (+)= A B, A [64 x 16] bf16 pairs in registers (a[4], the m16n8k16 A layout per warp), B [16 x N]
+  // MN-major (N contiguous) in shared memory (descriptor).
+  template <int M>
+  __device__ __forceinline__ static void rs_bt(float (&d)[M], const uint32_t (&a)[4], uint64_t b, int accumulate) {{
+    static_assert(M >= {k}, "accumulator array too small");
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 5}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{acc}}}, {{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, p, 1, 1, 1;\\n}}\\n"
+        : {operands}
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
   }}
 '''
 
@@ -69,6 +95,8 @@ struct Mma;
         print(f"template <>\nstruct Mma<{n}> {{")
         for name, tnsp_a, tnsp_b, comment in VARIANTS:
             print(wrapper(n, name, tnsp_a, tnsp_b, comment), end="")
+        if n in RS_SHAPES:
+            print(wrapper_rs(n), end="")
         print("};\n")
     print("}  // namespace wgmma")
 
