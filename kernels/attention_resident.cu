@@ -69,8 +69,8 @@ constexpr int kSlotBytes = 2 * 64 * 64 * 2;  // P, then dS
 // increase beyond the pool waits forever).
 constexpr int kWg0Regs = 120, kKeyRegs = 192;  // 120 + 2 * 192 = 504
 static_assert(kWg0Regs + 2 * kKeyRegs <= 3 * (65536 / kThreads / 8 * 8), "more registers than the CTA's pool");
-// kFull + c, kEmpty + c, kDelta + t; 0 is __syncthreads
-enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10 };
+// kFull + c, kEmpty + c, kDelta + t, kKeys + j (key warpgroup j's own); 0 is __syncthreads
+enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10, kKeys = 14 };
 
 // Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); then the 4 mbarriers.
 __host__ __device__ constexpr int smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512) + 8 * 4; }
@@ -272,22 +272,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {  // keys: dV, dK for key tiles 2j, 2j + 1
     regs_inc<kKeyRegs>();
     const int j = wg - 1;
-    if (j == 1) {  // first, delta = rowsum(dO * O) (0 past T) tile by tile for WG 0: two threads a row
+    if (j == 1) {  // first, delta = rowsum(dO * O) (0 past T) tile by tile for WG 0: two threads a row,
+                   // on alternate 16-byte vectors (together whole 32-byte sectors of O)
       float* stats_w = reinterpret_cast<float*>(smem + (s_stats - s_q));
       const int x = int(threadIdx.x) - 256, half = x & 1;
       for (int t = 0; t < n; ++t) {
         const int r = t * kQTile + x / 2;
         float sum = 0.0f;
         uint4 o[HD / 16];  // O's half row, loaded before waiting for dO
-        const uint4* o_row = reinterpret_cast<const uint4*>(out + (size_t(b) * T + r) * D + h * HD) + half * HD / 16;
+        const uint4* o_row = reinterpret_cast<const uint4*>(out + (size_t(b) * T + r) * D + h * HD) + half;
 #pragma unroll
-        for (int c = 0; c < HD / 16; ++c) o[c] = r < T ? o_row[c] : make_uint4(0, 0, 0, 0);
+        for (int c = 0; c < HD / 16; ++c) o[c] = r < T ? o_row[2 * c] : make_uint4(0, 0, 0, 0);
         mbar_wait(s_bar + 8 * t, 0);  // dO's tile
         if (r < T) {
           const unsigned char* do_tile = smem + (s_do - s_q) + t * kTile;
 #pragma unroll
           for (int c = 0; c < HD / 16; ++c) {
-            const uint4 d = *reinterpret_cast<const uint4*>(do_tile + kmajor_offset<HD>(x / 2, half * HD / 16 + c));
+            const uint4 d = *reinterpret_cast<const uint4*>(do_tile + kmajor_offset<HD>(x / 2, 2 * c + half));
             const uint32_t ow[4] = {o[c].x, o[c].y, o[c].z, o[c].w}, dw[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -342,24 +343,45 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int t = 0; t < 2; ++t)
           if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
     }
+    // dV, then dK (times the scale), as bf16 through this warpgroup's own V tiles (WG 0 read them
+    // last for dP of the last query tile, before it filled that tile's slot), then out in whole
+    // 16-byte vectors, a row's in consecutive lanes (from the fragments, each 32-byte sector
+    // would be written half).
+    const int key_wg_bar = kKeys + j;
     bf16* dk_dst = dqkv + size_t(b) * T * ld + D + h * HD;
-    bf16* dv_dst = dk_dst + D;
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int r_lo = (2 * j + t) * kQTile + warp * 16 + g, r_hi = r_lo + 8;
+    for (int part = 0; part < 2; ++part) {  // dV, dK (unrolled: acc names registers, not local memory)
+      if (part == 1) bar_sync(key_wg_bar, 128);  // dV's vectors are read
 #pragma unroll
-      for (int m = 0; m < HD / 8; ++m) {
-        const int col = 8 * m + 2 * q;
-        if (r_lo < T) {
-          *reinterpret_cast<uint32_t*>(dk_dst + size_t(r_lo) * ld + col) =
-              pack_bf16x2(dk[t][4 * m] * scale, dk[t][4 * m + 1] * scale);
-          *reinterpret_cast<uint32_t*>(dv_dst + size_t(r_lo) * ld + col) = pack_bf16x2(dv[t][4 * m], dv[t][4 * m + 1]);
+      for (int t = 0; t < 2; ++t) {
+        if (2 * j + t < n) {
+          unsigned char* stage = smem + (s_v - s_q) + (2 * j + t) * kTile;
+          const float mult = part == 0 ? 1.0f : scale;
+          const float(&acc)[HD / 2] = part == 0 ? dv[t] : dk[t];
+          const int row = warp * 16 + g;
+#pragma unroll
+          for (int m = 0; m < HD / 8; ++m) {
+            *reinterpret_cast<uint32_t*>(stage + kmajor_offset<HD>(row, m) + 4 * q) =
+                pack_bf16x2(acc[4 * m] * mult, acc[4 * m + 1] * mult);
+            *reinterpret_cast<uint32_t*>(stage + kmajor_offset<HD>(row + 8, m) + 4 * q) =
+                pack_bf16x2(acc[4 * m + 2] * mult, acc[4 * m + 3] * mult);
+          }
         }
-        if (r_hi < T) {
-          *reinterpret_cast<uint32_t*>(dk_dst + size_t(r_hi) * ld + col) =
-              pack_bf16x2(dk[t][4 * m + 2] * scale, dk[t][4 * m + 3] * scale);
-          *reinterpret_cast<uint32_t*>(dv_dst + size_t(r_hi) * ld + col) =
-              pack_bf16x2(dv[t][4 * m + 2], dv[t][4 * m + 3]);
+      }
+      bar_sync(key_wg_bar, 128);
+      constexpr int kVecs = HD / 8;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int c = 2 * j + t;
+        if (c < n) {
+          const unsigned char* stage = smem + (s_v - s_q) + c * kTile;
+          bf16* dst = dk_dst + (part == 0 ? D : 0) + size_t(c) * kQTile * ld;
+          const int valid = min(T - c * kQTile, kQTile);
+          for (int v = int(threadIdx.x) % 128; v < valid * kVecs; v += 128) {
+            const int r = v / kVecs, col = v % kVecs;
+            *reinterpret_cast<uint4*>(dst + size_t(r) * ld + col * 8) =
+                *reinterpret_cast<const uint4*>(stage + kmajor_offset<HD>(r, col));
+          }
         }
       }
     }
