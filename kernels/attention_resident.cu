@@ -27,6 +27,9 @@
 //     P^T and dS^T as A of dV and dK (M = keys; LBO 1024 along the queries, SBO 128).
 #include "kernels/attention_resident.h"
 
+#include <cuda.h>  // CUtensorMap (the encoder comes through the runtime: no link against libcuda)
+#include <cudaTypedefs.h>
+
 #include <cmath>
 #include <string>
 
@@ -391,9 +394,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---------------------------------------------------------------------------------------------
 // Forward: one CTA of two warpgroups per (image, head). Q (n tiles of 64 rows), K and V (rows up
-// to kv_rows(T): the last tile only as far as its rows reach, rounded to 16 or 64) are
-// loaded once, tile t on mbarrier t; warpgroup w takes query tiles w, w + 2. Per query tile, an
-// online softmax over key chunks of 64 (the last as wide as kv_rows leaves it):
+// to kv_rows(T): the last tile only as far as its rows reach, rounded to 16 or 64) are loaded
+// once, tile t on mbarrier t: whole tiles by TMA (one thread issues them; the warps' own
+// cp.async took ~30% of their time), a partial last tile by cp.async. Warpgroup w takes query
+// tiles w, w + 2. Per query tile, an online softmax over key chunks of 64 (the last as wide as
+// kv_rows leaves it):
 //   S = Q_i K_c^T (A, B K-major in shared memory), P = exp(S scale - m) in registers, packed to
 //   bf16 as the A operand of O += P V_c (V MN-major as B), which runs while the next chunk's S
 //   is issued. O / l goes out through the tile's Q buffer in whole 16-byte vectors.
@@ -411,8 +416,8 @@ __host__ __device__ constexpr int fwd_smem_bytes(int T, int hd) {
 
 template <int HD>
 __global__ void __launch_bounds__(kFwdThreads, 2)
-    attention_forward_resident_kernel(const bf16* __restrict__ qkv, bf16* __restrict__ out, float* __restrict__ lse,
-                                      int T, int H, float scale) {
+    attention_forward_resident_kernel(const __grid_constant__ CUtensorMap tiles_map, const bf16* __restrict__ qkv,
+                                      bf16* __restrict__ out, float* __restrict__ lse, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   constexpr int kTile = q_bytes(HD);
   const int n = tiles(T), rows_kv = kv_rows(T);
@@ -425,21 +430,43 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
 
+  // Whole tiles (64 real rows) come by TMA, issued by thread 0 (tiles_map: see
+  // forward_tiles_map); a last, partial tile by cp.async from every thread. Tile t lands on
+  // mbarrier t: thread 0's arrival (with the TMA bytes expected, or plain) and every thread's
+  // cp.async arrival.
+  const int whole = T / kQTile;  // tiles by TMA
   if (threadIdx.x == 0)
-    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kFwdThreads);
+    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kFwdThreads + 1);
   __syncthreads();
-  // Every thread loads: tile t (Q rows 64t .. 64t + 63, K and V rows 64t .. up to rows_kv) lands on
-  // mbarrier t. Rows at or past T are zero (K's get probability 0 by the mask, V's then add nothing).
-  // Thread x copies 16-byte vector x % kVecs of rows x / kVecs + kRowStep j: a multiple of 8 rows
-  // apart, so that source and destination advance by constants (no divisions in the loop).
-  constexpr int kVecs = HD / 8;                       // 16-byte vectors a row
+  if (threadIdx.x == 0) {
+    for (int t = 0; t < n; ++t) {
+      const uint32_t bar = s_bar + 8 * t;
+      if (t < whole) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(3 * kTile) : "memory");
+        for (int part = 0; part < 3; ++part) {
+          const uint32_t dst = (part == 0 ? s_q : part == 1 ? s_k : s_v) + t * kTile;
+          asm volatile(
+              "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
+              "l"(reinterpret_cast<uint64_t>(&tiles_map)), "r"(0), "r"(0), "r"((part * H + h) * HD / 8), "r"(8 * t), "r"(b),
+              "r"(bar)
+              : "memory");
+        }
+      } else {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+      }
+    }
+  }
+  // The partial tile: thread x copies 16-byte vector x % kVecs of rows x / kVecs + kRowStep j, a
+  // multiple of 8 rows apart, so that source and destination advance by constants. Rows at or past
+  // T are zero (K's get probability 0 by the mask, V's then add nothing).
+  constexpr int kVecs = HD / 8;                          // 16-byte vectors a row
   constexpr int kRowStep = kFwdThreads / kVecs / 8 * 8;  // 24 at hd 80, 32 at hd 64
   const int x = int(threadIdx.x), col = x % kVecs, row0 = x / kVecs;
   if (row0 < kRowStep) {
     const uint32_t dst0 = kmajor_offset<HD>(row0, col);
     const bf16* src0 = q_src + size_t(row0) * ld + col * 8;
 #pragma unroll 1
-    for (int t = 0; t < n; ++t) {
+    for (int t = whole; t < n; ++t) {
       const int kv_end = min(rows_kv - t * kQTile, kQTile);
 #pragma unroll 1
       for (int r = 0; r < kQTile; r += kRowStep) {
@@ -454,11 +481,9 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
           }
         }
       }
-      cp_async_arrive(s_bar + 8 * t);
     }
-  } else {
-    for (int t = 0; t < n; ++t) cp_async_arrive(s_bar + 8 * t);
   }
+  for (int t = 0; t < n; ++t) cp_async_arrive(s_bar + 8 * t);
 
   const float scale_log2 = scale * kLog2e;
   for (int i = wg; i < n; i += 2) {
@@ -607,6 +632,40 @@ bool attention_forward_resident_preferred(int T, int hd, int dev) {
   return tiles(T) == 4 && 2 * (fwd_smem_bytes(T, hd) + info.smem_reserved) <= info.smem_per_sm;
 }
 
+namespace {
+// The driver's tensor-map encoder, through the runtime's entry-point query.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    ENSURE(found == cudaDriverEntryPointSuccess && fn, "the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// qkv [B, T, 3 H hd] seen as 64-row tiles of one head's Q, K or V in the kernels' K-major
+// core-matrix layout: dims (element of a 16-byte vector, row % 8, vector along the 3 H hd
+// columns, row / 8, image), so that a box {8, 8, hd / 8, 8, 1} lands as 8 x 8 core matrices
+// with vector c of row r at (r / 8) hd 16 + c 128 + (r % 8) 16 bytes. Only whole 8-row groups
+// are in the map (T / 8 of them): the kernel takes whole tiles from it.
+CUtensorMap forward_tiles_map(const bf16* qkv, int B, int T, int H, int hd) {
+  const cuuint64_t cols = 3ull * H * hd;
+  const cuuint64_t dims[5] = {8, 8, cols / 8, cuuint64_t(T / 8), cuuint64_t(B)};
+  const cuuint64_t strides[4] = {cols * 2, 16, cols * 16, cuuint64_t(T) * cols * 2};  // bytes, dims 1..4
+  const cuuint32_t box[5] = {8, 8, cuuint32_t(hd / 8), 8, 1};
+  const cuuint32_t steps[5] = {1, 1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, const_cast<bf16*>(qkv), dims,
+                                          strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  ENSURE(r == CUDA_SUCCESS, "attention_forward_resident: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
+  return map;
+}
+}  // namespace
+
 void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, int T, int H, int hd, int dev,
                                 cudaStream_t stream) {
   ENSURE(attention_forward_resident_fits(T, hd, dev), "attention_forward_resident: T " + std::to_string(T) + ", hd " +
@@ -615,7 +674,8 @@ void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, i
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
     attention_forward_resident_kernel<HD><<<dim3(H, B), kFwdThreads, fwd_smem_bytes(T, HD), stream>>>(
-        qkv, out, lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+        T >= kQTile ? forward_tiles_map(qkv, B, T, H, HD) : CUtensorMap{}, qkv, out, lse, T, H,
+        1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});
