@@ -375,13 +375,12 @@ void Trainer::print_summary() const {
   else
     std::printf("  precision   bf16: bf16 GEMMs and attention with fp32 accumulation; fp32 LayerNorm, softmax, loss,\n"
                 "              residual stream, master weights, gradients and momentum\n");
-  // Which kernels run: the ones asked for, or under auto the fastest that apply (attention.h).
-  const bool single_pass = attention_single_pass_supported(cfg.tokens(), cfg.head_dim());
-  const bool resident = attention_resident_supported(cfg.tokens(), cfg.head_dim());
-  const char* backward = opts_.attention != "auto" ? opts_.attention.c_str()
-                         : single_pass             ? "single-pass"
-                         : resident                ? "resident"
-                                                   : "streamed";
+  // Which kernels run: the ones asked for, or auto's choice (attention.h).
+  const AttentionBackward auto_backward = attention_backward_auto_choice(cfg.tokens(), cfg.head_dim());
+  const char* backward = opts_.attention != "auto"                        ? opts_.attention.c_str()
+                         : auto_backward == AttentionBackward::SinglePass ? "single-pass"
+                         : auto_backward == AttentionBackward::Resident   ? "resident"
+                                                                          : "streamed";
   const char* forward = opts_.attention == "resident" || opts_.attention == "streamed" ? opts_.attention.c_str()
                         : attention_forward_auto_choice(cfg.tokens(), cfg.head_dim()) == AttentionForward::Resident
                             ? "resident"

@@ -1089,18 +1089,50 @@ std::string attention_unsupported_reason(int T, int hd) {
   return {};
 }
 
+namespace {
+// The single pass's own bounds, for a shape the streamed kernels support on device dev.
+bool single_pass_fits(int T, int hd, int dev) {
+  return single_pass_hd(hd) && T <= kSingleMaxT &&
+         single_pass_smem_bytes(hd, (T + 15) / 16 * 16) <= device_info(dev).smem_optin;
+}
+
+// The kernel a call runs, for a shape the streamed kernels support on device dev: the one asked
+// for (refused where it does not apply), or Auto's choice (the fastest that applies, as measured:
+// BENCHMARKS.md 21, 24, 25).
+AttentionForward resolve_forward(AttentionForward kind, int T, int hd, int dev) {
+  ENSURE(kind != AttentionForward::Resident || attention_forward_resident_fits(T, hd, dev),
+         "attention_forward: the resident kernel takes T <= 256 and hd 64 or 80 on sm_90a; T " + std::to_string(T) +
+             ", hd " + std::to_string(hd));
+  if (kind != AttentionForward::Auto) return kind;
+  return attention_forward_resident_preferred(T, hd, dev) ? AttentionForward::Resident : AttentionForward::Streamed;
+}
+
+AttentionBackward resolve_backward(AttentionBackward kind, int T, int hd, int dev) {
+  const bool single = single_pass_fits(T, hd, dev), resident = attention_resident_fits(T, hd, dev);
+  ENSURE(single || kind != AttentionBackward::SinglePass,
+         "attention_backward: the single-pass kernel takes T <= 96 and hd 16, 32, 64 or 80");
+  ENSURE(resident || kind != AttentionBackward::Resident,
+         "attention_backward: the resident kernel takes T <= 256, hd 64 or 80, on sm_90a");
+  if (kind != AttentionBackward::Auto) return kind;
+  return single ? AttentionBackward::SinglePass : resident ? AttentionBackward::Resident : AttentionBackward::Streamed;
+}
+
+// The current device, where the streamed kernels support (T, hd) on it; else -1.
+int supporting_device(int T, int hd) {
+  if (!attention_unsupported_reason(T, hd).empty()) return -1;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
+}
+}  // namespace
+
 void attention_forward(const bf16* qkv, bf16* out, float* lse, int B, int T, int H, int hd,
                        cudaStream_t stream, AttentionForward kind) {
   const int dev = require_shape("attention_forward", B, T, H, hd);
   ENSURE(qkv && out && lse, "attention_forward: null pointer");
   ENSURE(is_aligned16(qkv) && is_aligned16(out), "attention_forward: qkv/out must be 16-byte aligned");
   NvtxRange range("attention_forward");
-  const bool resident = attention_forward_resident_fits(T, hd, dev);
-  ENSURE(kind != AttentionForward::Resident || resident,
-         "attention_forward: the resident kernel takes T <= 256 and hd 64 or 80 on sm_90a; T " + std::to_string(T) +
-             ", hd " + std::to_string(hd));
-  if (kind == AttentionForward::Resident ||
-      (kind == AttentionForward::Auto && attention_forward_resident_preferred(T, hd, dev))) {
+  if (resolve_forward(kind, T, hd, dev) == AttentionForward::Resident) {
     attention_forward_resident(qkv, out, lse, B, T, H, hd, dev, stream);
     return;
   }
@@ -1115,40 +1147,30 @@ void attention_forward(const bf16* qkv, bf16* out, float* lse, int B, int T, int
   });
 }
 
-namespace {
-// The single pass's own bounds, for a shape the streamed kernels support on device dev.
-bool single_pass_fits(int T, int hd, int dev) {
-  return single_pass_hd(hd) && T <= kSingleMaxT &&
-         single_pass_smem_bytes(hd, (T + 15) / 16 * 16) <= device_info(dev).smem_optin;
-}
-}  // namespace
 
 bool attention_single_pass_supported(int T, int hd) {
-  if (!attention_unsupported_reason(T, hd).empty()) return false;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  return single_pass_fits(T, hd, dev);
+  const int dev = supporting_device(T, hd);
+  return dev >= 0 && single_pass_fits(T, hd, dev);
 }
 
 bool attention_forward_resident_supported(int T, int hd) {
-  if (!attention_unsupported_reason(T, hd).empty()) return false;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  return attention_forward_resident_fits(T, hd, dev);
-}
-
-AttentionForward attention_forward_auto_choice(int T, int hd) {
-  if (!attention_unsupported_reason(T, hd).empty()) return AttentionForward::Streamed;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  return attention_forward_resident_preferred(T, hd, dev) ? AttentionForward::Resident : AttentionForward::Streamed;
+  const int dev = supporting_device(T, hd);
+  return dev >= 0 && attention_forward_resident_fits(T, hd, dev);
 }
 
 bool attention_resident_supported(int T, int hd) {
-  if (!attention_unsupported_reason(T, hd).empty()) return false;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  return attention_resident_fits(T, hd, dev);
+  const int dev = supporting_device(T, hd);
+  return dev >= 0 && attention_resident_fits(T, hd, dev);
+}
+
+AttentionForward attention_forward_auto_choice(int T, int hd) {
+  const int dev = supporting_device(T, hd);
+  return dev >= 0 ? resolve_forward(AttentionForward::Auto, T, hd, dev) : AttentionForward::Streamed;
+}
+
+AttentionBackward attention_backward_auto_choice(int T, int hd) {
+  const int dev = supporting_device(T, hd);
+  return dev >= 0 ? resolve_backward(AttentionBackward::Auto, T, hd, dev) : AttentionBackward::Streamed;
 }
 
 void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse,
@@ -1160,17 +1182,12 @@ void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, cons
          "attention_backward: qkv/out/dout/dqkv must be 16-byte aligned");
   NvtxRange range("attention_backward");
 
-  const bool single = single_pass_fits(T, hd, dev);  // require_shape checked the rest
-  ENSURE(single || kind != AttentionBackward::SinglePass,
-         "attention_backward: the single-pass kernel takes T <= 96 and hd 16, 32, 64 or 80");
-  const bool resident = attention_resident_fits(T, hd, dev);
-  ENSURE(resident || kind != AttentionBackward::Resident,
-         "attention_backward: the resident kernel takes T <= 256, hd 64 or 80, on sm_90a");
-  if (kind == AttentionBackward::Resident || (kind == AttentionBackward::Auto && !single && resident)) {
+  const AttentionBackward chosen = resolve_backward(kind, T, hd, dev);  // require_shape checked the rest
+  if (chosen == AttentionBackward::Resident) {
     attention_backward_resident(qkv, out, dout, lse, dqkv, B, T, H, hd, dev, stream);
     return;
   }
-  if (single && (kind == AttentionBackward::Auto || kind == AttentionBackward::SinglePass)) {
+  if (chosen == AttentionBackward::SinglePass) {
     const int groups = (T + 15) / 16;
     const auto launch = [&](auto hd_c) {
       constexpr int HD = decltype(hd_c)::value;

@@ -39,6 +39,8 @@ void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse,
 enum class AttentionBackward { Auto, Streamed, SinglePass, Resident };
 bool attention_single_pass_supported(int T, int hd);
 bool attention_resident_supported(int T, int hd);
+// The backward Auto takes at (T, hd) on the current device.
+AttentionBackward attention_backward_auto_choice(int T, int hd);
 
 // dqkv from dout, given the forward's qkv, out and lse. delta is a [B, H, T] fp32 workspace
 // (the streamed kernels overwrite it with rowsum(dout * out)). Every element of dqkv is written;

@@ -108,6 +108,32 @@ template <int R>
 __device__ __forceinline__ void regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
 }
+// A warpgroup's 64 x HD fp32 accumulator (rows g and g + 8 of warp w's 16 scaled by mult_lo and
+// mult_hi) as bf16 into a K-major tile in shared memory; then, after a barrier, copy_out writes
+// the tile's first `valid` rows to global memory (row stride ld elements) in whole 16-byte
+// vectors, a row's in consecutive lanes (from the fragments directly each 32-byte sector would be
+// written half).
+template <int HD>
+__device__ __forceinline__ void stage_fragments(unsigned char* tile, const float (&acc)[HD / 2], float mult_lo,
+                                                float mult_hi, int warp, int g, int q) {
+  const int row = warp * 16 + g;
+#pragma unroll
+  for (int m = 0; m < HD / 8; ++m) {
+    *reinterpret_cast<uint32_t*>(tile + kmajor_offset<HD>(row, m) + 4 * q) =
+        pack_bf16x2(acc[4 * m] * mult_lo, acc[4 * m + 1] * mult_lo);
+    *reinterpret_cast<uint32_t*>(tile + kmajor_offset<HD>(row + 8, m) + 4 * q) =
+        pack_bf16x2(acc[4 * m + 2] * mult_hi, acc[4 * m + 3] * mult_hi);
+  }
+}
+template <int HD>
+__device__ __forceinline__ void copy_out(const unsigned char* tile, bf16* dst, size_t ld, int valid) {
+  constexpr int kVecs = HD / 8;
+  for (int v = int(threadIdx.x) % 128; v < valid * kVecs; v += 128) {
+    const int r = v / kVecs, c = v % kVecs;
+    *reinterpret_cast<uint4*>(dst + size_t(r) * ld + c * 8) = *reinterpret_cast<const uint4*>(tile + kmajor_offset<HD>(r, c));
+  }
+}
+
 __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (query r, key k), k even
   return uint32_t((r >> 3) * 1024 + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
 }
@@ -347,9 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
     }
     // dV, then dK (times the scale), as bf16 through this warpgroup's own V tiles (WG 0 read them
-    // last for dP of the last query tile, before it filled that tile's slot), then out in whole
-    // 16-byte vectors, a row's in consecutive lanes (from the fragments, each 32-byte sector
-    // would be written half).
+    // last for dP of the last query tile, before it filled that tile's slot).
     const int key_wg_bar = kKeys + j;
     bf16* dk_dst = dqkv + size_t(b) * T * ld + D + h * HD;
 #pragma unroll
@@ -357,35 +381,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (part == 1) bar_sync(key_wg_bar, 128);  // dV's vectors are read
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
-        if (2 * j + t < n) {
-          unsigned char* stage = smem + (s_v - s_q) + (2 * j + t) * kTile;
-          const float mult = part == 0 ? 1.0f : scale;
-          const float(&acc)[HD / 2] = part == 0 ? dv[t] : dk[t];
-          const int row = warp * 16 + g;
-#pragma unroll
-          for (int m = 0; m < HD / 8; ++m) {
-            *reinterpret_cast<uint32_t*>(stage + kmajor_offset<HD>(row, m) + 4 * q) =
-                pack_bf16x2(acc[4 * m] * mult, acc[4 * m + 1] * mult);
-            *reinterpret_cast<uint32_t*>(stage + kmajor_offset<HD>(row + 8, m) + 4 * q) =
-                pack_bf16x2(acc[4 * m + 2] * mult, acc[4 * m + 3] * mult);
-          }
-        }
+        const float mult = part == 0 ? 1.0f : scale;
+        if (2 * j + t < n)
+          stage_fragments<HD>(smem + (s_v - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
-      constexpr int kVecs = HD / 8;
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const int c = 2 * j + t;
-        if (c < n) {
-          const unsigned char* stage = smem + (s_v - s_q) + c * kTile;
-          bf16* dst = dk_dst + (part == 0 ? D : 0) + size_t(c) * kQTile * ld;
-          const int valid = min(T - c * kQTile, kQTile);
-          for (int v = int(threadIdx.x) % 128; v < valid * kVecs; v += 128) {
-            const int r = v / kVecs, col = v % kVecs;
-            *reinterpret_cast<uint4*>(dst + size_t(r) * ld + col * 8) =
-                *reinterpret_cast<const uint4*>(stage + kmajor_offset<HD>(r, col));
-          }
-        }
+        if (c < n)
+          copy_out<HD>(smem + (s_v - s_q) + c * kTile, dk_dst + (part == 0 ? D : 0) + size_t(c) * kQTile * ld, ld,
+                       min(T - c * kQTile, kQTile));
       }
     }
   }
@@ -572,36 +578,27 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
       if (r_lo < T) lse_bh[r_lo] = m_lo * scale + logf(l_lo);
       if (r_hi < T) lse_bh[r_hi] = m_hi * scale + logf(l_hi);
     }
-    // O / l as bf16 through this warpgroup's Q_i tile (its last reader, S, has completed), then out
-    // to global in whole 16-byte vectors, a row's in consecutive lanes (from the fragments directly,
-    // each 32-byte sector would be written half).
-    const float inv_lo = 1.0f / l_lo, inv_hi = 1.0f / l_hi;
-    unsigned char* stage = smem + i * kTile;
+    // O / l as bf16 through this warpgroup's Q_i tile (its last reader, S, has completed).
     bar_sync(1 + wg, 128);  // every warp of the warpgroup is past its S products
-    const int row = warp * 16 + g;
-#pragma unroll
-    for (int m = 0; m < HD / 8; ++m) {
-      *reinterpret_cast<uint32_t*>(stage + kmajor_offset<HD>(row, m) + 4 * q) = pack_bf16x2(o[4 * m] * inv_lo, o[4 * m + 1] * inv_lo);
-      *reinterpret_cast<uint32_t*>(stage + kmajor_offset<HD>(row + 8, m) + 4 * q) =
-          pack_bf16x2(o[4 * m + 2] * inv_hi, o[4 * m + 3] * inv_hi);
-    }
+    stage_fragments<HD>(smem + i * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
     bar_sync(1 + wg, 128);
-    bf16* o_dst = out + (size_t(b) * T + i * kQTile) * D + h * HD;
-    const int valid = min(T - i * kQTile, kQTile);
-    for (int v = int(threadIdx.x) % 128; v < valid * kVecs; v += 128) {
-      const int r = v / kVecs, c = v % kVecs;
-      *reinterpret_cast<uint4*>(o_dst + size_t(r) * D + c * 8) = *reinterpret_cast<const uint4*>(stage + kmajor_offset<HD>(r, c));
-    }
+    copy_out<HD>(smem + i * kTile, out + (size_t(b) * T + i * kQTile) * D + h * HD, size_t(D), min(T - i * kQTile, kQTile));
   }
 }
 
 }  // namespace
 
+namespace {
+// Both kernels' shapes (T <= 256, hd 64 or 80) on sm_90a (wgmma, setmaxnreg), with smem bytes of
+// shared memory a block.
+bool resident_fits(int T, int hd, int smem, const DeviceInfo& info) {
+  return T >= 1 && T <= 4 * kQTile && (hd == 64 || hd == 80) && info.major == 9 && info.minor == 0 &&
+         smem <= info.smem_optin;
+}
+}  // namespace
+
 bool attention_resident_fits(int T, int hd, int dev) {
-  if (T < 1 || T > 4 * kQTile || (hd != 64 && hd != 80)) return false;
-  const DeviceInfo info = device_info(dev);
-  return info.major == 9 && info.minor == 0 &&  // wgmma and setmaxnreg: sm_90a only
-         smem_bytes(tiles(T), hd) <= info.smem_optin;
+  return resident_fits(T, hd, smem_bytes(tiles(T), hd), device_info(dev));
 }
 
 void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse, bf16* dqkv,
@@ -621,15 +618,13 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
 }
 
 bool attention_forward_resident_fits(int T, int hd, int dev) {
-  if (T < 1 || T > 4 * kQTile || (hd != 64 && hd != 80)) return false;
-  const DeviceInfo info = device_info(dev);
-  return info.major == 9 && info.minor == 0 && fwd_smem_bytes(T, hd) <= info.smem_optin;
+  return resident_fits(T, hd, fwd_smem_bytes(T, hd), device_info(dev));
 }
 
 bool attention_forward_resident_preferred(int T, int hd, int dev) {
-  if (!attention_forward_resident_fits(T, hd, dev)) return false;
   const DeviceInfo info = device_info(dev);
-  return tiles(T) == 4 && 2 * (fwd_smem_bytes(T, hd) + info.smem_reserved) <= info.smem_per_sm;
+  return resident_fits(T, hd, fwd_smem_bytes(T, hd), info) && tiles(T) == 4 &&
+         2 * (fwd_smem_bytes(T, hd) + info.smem_reserved) <= info.smem_per_sm;
 }
 
 namespace {
