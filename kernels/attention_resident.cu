@@ -140,7 +140,8 @@ __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (que
 
 template <int HD>
 __global__ void __launch_bounds__(kThreads, 1)
-    attention_backward_resident_kernel(const bf16* __restrict__ qkv, const bf16* __restrict__ out,
+    attention_backward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap do_map,
+                                       const bf16* __restrict__ qkv, const bf16* __restrict__ out,
                                        const bf16* __restrict__ dout, const float* __restrict__ lse,
                                        bf16* __restrict__ dqkv, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -159,8 +160,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // contribute nothing (P and dS are 0 on padding keys, dO and Q on padding queries).
   const int last_k16 = (T - (n - 1) * kQTile + 15) / 16;
 
+  const int whole = T / kQTile;  // tiles whose Q, dO, K, V come by TMA (tiles_map)
   if (threadIdx.x == 0)
-    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kLoaders);
+    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kLoaders + 1);  // + the TMA issuer's arrival
   if (last_k16 <= 2) {  // the last slot's columns that WG 0 leaves unwritten
     for (int v = int(threadIdx.x); v < kSlotBytes / 16; v += kThreads)
       *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (n - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
@@ -168,8 +170,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   // WG 1 and 2 (idle until WG 0 fills a slot) issue the loads, so that WG 0 starts on tile 0 as
-  // soon as it lands: tile t (rows 64t .. 64t + 63 of Q, dO, K, V and lse) on mbarrier t. Rows at
-  // or past T are zero (lse 0 there: P = 1 against zero Q and dO rows, which adds nothing).
+  // soon as it lands: tile t (rows 64t .. 64t + 63 of Q, dO, K, V and lse) on mbarrier t. Whole
+  // tiles' Q, dO, K and V come by TMA, issued by WG 1's first thread; a partial last tile's and
+  // every lse by cp.async. Rows at or past T are zero (lse 0 there: P = 1 against zero Q and dO
+  // rows, which adds nothing).
+  if (threadIdx.x == 128) {
+    for (int t = 0; t < n; ++t) {
+      const uint32_t bar = s_bar + 8 * t;
+      if (t < whole) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(4 * kTile) : "memory");
+        for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
+          const uint32_t dst = s_q + which * n * kTile + t * kTile;
+          const CUtensorMap* map = which == 1 ? &do_map : &qkv_map;
+          const int vector = ((which < 2 ? 0 : (which - 1) * H) + h) * HD / 8;
+          asm volatile(
+              "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
+              "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(0), "r"(vector), "r"(8 * t), "r"(b), "r"(bar)
+              : "memory");
+        }
+      } else {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+      }
+    }
+  }
   if (wg > 0) {
     constexpr int kVecs = kQTile * (HD / 8);  // 16-byte vectors of a tile: thread x copies x + 256 k
     constexpr int kPer = (kVecs + kLoaders - 1) / kLoaders;
@@ -185,7 +208,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* lse_bh = lse + (size_t(b) * H + h) * T;
     for (int t = 0; t < n; ++t) {
 #pragma unroll
-      for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
+      for (int which = 0; which < 4; ++which) {  // Q, dO, K, V of a partial tile
+        if (t < whole) break;
         const bf16* src = which == 1 ? do_src : q_src + (which == 0 ? 0 : which - 1) * D;
         const size_t stride = which == 1 ? size_t(D) : ld;
         const uint32_t dst = s_q + which * n * kTile + t * kTile;
@@ -595,6 +619,38 @@ bool resident_fits(int T, int hd, int smem, const DeviceInfo& info) {
   return T >= 1 && T <= 4 * kQTile && (hd == 64 || hd == 80) && info.major == 9 && info.minor == 0 &&
          smem <= info.smem_optin;
 }
+
+// The driver's tensor-map encoder, through the runtime's entry-point query.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    ENSURE(found == cudaDriverEntryPointSuccess && fn, "the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A [B, T, columns] bf16 tensor (qkv: 3 H hd columns, dout: H hd) seen as 64-row tiles of one
+// head's Q, K, V or dO in the kernels' K-major core-matrix layout: dims (element of a 16-byte
+// vector, row % 8, vector along the columns, row / 8, image), so that a box {8, 8, hd / 8, 8, 1} lands as 8 x 8 core matrices
+// with vector c of row r at (r / 8) hd 16 + c 128 + (r % 8) 16 bytes. Only whole 8-row groups
+// are in the map (T / 8 of them): the kernel takes whole tiles from it.
+CUtensorMap tiles_map(const bf16* data, int B, int T, int columns, int hd) {
+  const cuuint64_t cols = cuuint64_t(columns);
+  const cuuint64_t dims[5] = {8, 8, cols / 8, cuuint64_t(T / 8), cuuint64_t(B)};
+  const cuuint64_t strides[4] = {cols * 2, 16, cols * 16, cuuint64_t(T) * cols * 2};  // bytes, dims 1..4
+  const cuuint32_t box[5] = {8, 8, cuuint32_t(hd / 8), 8, 1};
+  const cuuint32_t steps[5] = {1, 1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, const_cast<bf16*>(data), dims,
+                                          strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  ENSURE(r == CUDA_SUCCESS, "attention resident kernels: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
+  return map;
+}
 }  // namespace
 
 bool attention_resident_fits(int T, int hd, int dev) {
@@ -609,7 +665,9 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
   const auto launch = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
+    const bool tma = T >= kQTile;  // a whole tile to load
     attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
+        tma ? tiles_map(qkv, B, T, 3 * H * HD, HD) : CUtensorMap{}, tma ? tiles_map(dout, B, T, H * HD, HD) : CUtensorMap{},
         qkv, out, dout, lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
@@ -627,39 +685,6 @@ bool attention_forward_resident_preferred(int T, int hd, int dev) {
          2 * (fwd_smem_bytes(T, hd) + info.smem_reserved) <= info.smem_per_sm;
 }
 
-namespace {
-// The driver's tensor-map encoder, through the runtime's entry-point query.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-    ENSURE(found == cudaDriverEntryPointSuccess && fn, "the CUDA driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
-}
-
-// qkv [B, T, 3 H hd] seen as 64-row tiles of one head's Q, K or V in the kernels' K-major
-// core-matrix layout: dims (element of a 16-byte vector, row % 8, vector along the 3 H hd
-// columns, row / 8, image), so that a box {8, 8, hd / 8, 8, 1} lands as 8 x 8 core matrices
-// with vector c of row r at (r / 8) hd 16 + c 128 + (r % 8) 16 bytes. Only whole 8-row groups
-// are in the map (T / 8 of them): the kernel takes whole tiles from it.
-CUtensorMap forward_tiles_map(const bf16* qkv, int B, int T, int H, int hd) {
-  const cuuint64_t cols = 3ull * H * hd;
-  const cuuint64_t dims[5] = {8, 8, cols / 8, cuuint64_t(T / 8), cuuint64_t(B)};
-  const cuuint64_t strides[4] = {cols * 2, 16, cols * 16, cuuint64_t(T) * cols * 2};  // bytes, dims 1..4
-  const cuuint32_t box[5] = {8, 8, cuuint32_t(hd / 8), 8, 1};
-  const cuuint32_t steps[5] = {1, 1, 1, 1, 1};
-  CUtensorMap map;
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, const_cast<bf16*>(qkv), dims,
-                                          strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  ENSURE(r == CUDA_SUCCESS, "attention_forward_resident: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
-  return map;
-}
-}  // namespace
 
 void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, int T, int H, int hd, int dev,
                                 cudaStream_t stream) {
@@ -669,7 +694,7 @@ void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, i
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
     attention_forward_resident_kernel<HD><<<dim3(H, B), kFwdThreads, fwd_smem_bytes(T, HD), stream>>>(
-        T >= kQTile ? forward_tiles_map(qkv, B, T, H, HD) : CUtensorMap{}, qkv, out, lse, T, H,
+        T >= kQTile ? tiles_map(qkv, B, T, 3 * H * HD, HD) : CUtensorMap{}, qkv, out, lse, T, H,
         1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
