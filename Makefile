@@ -22,7 +22,7 @@ LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
 .PHONY: all test bench profile clean test-deps
-all: vit_train gemm_rate loader_rate attention_rate
+all: vit_train gemm_rate loader_rate attention_rate attention_trace
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
@@ -44,6 +44,15 @@ loader_rate: $(LIB_OBJ) $(BUILD)/tools/loader_rate.o
 # The fused attention alone at ViT shapes (tools/attention_bench.py: PyTorch's backends).
 attention_rate: $(LIB_OBJ) $(BUILD)/tools/attention_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
+
+# The resident attention kernels' phases, CTA by CTA: their file compiled again with its stamps.
+TRACED_OBJ := $(BUILD)/traced/kernels/attention_resident.o
+attention_trace: $(filter-out $(BUILD)/kernels/attention_resident.o,$(LIB_OBJ)) $(TRACED_OBJ) $(BUILD)/tools/attention_trace.o
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
+$(TRACED_OBJ): kernels/attention_resident.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -DATTENTION_TRACE -c $< -o $@
 
 # cuBLASLt's rate at one ViT block's GEMM shapes, through the engine's GEMM entry point.
 gemm_rate: $(LIB_OBJ) $(BUILD)/tools/gemm_rate.o
@@ -81,6 +90,6 @@ profile: vit_train
 	  ./vit_train --steps 15 --profile-steps 10:14
 
 clean:
-	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate
+	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate attention_trace
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

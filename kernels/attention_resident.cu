@@ -35,6 +35,7 @@
 
 #include "engine/check.h"
 #include "kernels/attention_common.cuh"
+#include "kernels/attention_trace.h"
 #include "kernels/wgmma.cuh"
 
 namespace {
@@ -134,6 +135,42 @@ __device__ __forceinline__ void copy_out(const unsigned char* tile, bf16* dst, s
   }
 }
 
+// Phase stamps (kernels/attention_trace.h): code only in the traced build.
+using namespace attention_trace;
+#ifdef ATTENTION_TRACE
+__device__ unsigned long long* g_trace;
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// This CTA's row, read once (a load of g_trace at every stamp slowed the stamping thread).
+__device__ __forceinline__ unsigned long long* trace_row() {
+  return g_trace ? g_trace + (size_t(blockIdx.y) * gridDim.x + blockIdx.x) * kSlots : nullptr;
+}
+__device__ __forceinline__ void trace_start(unsigned long long* r) {
+  if (r) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    r[kStartNs] = global_ns(), r[kStartClock] = clock64(), r[kSm] = smid;
+  }
+}
+__device__ __forceinline__ void trace(unsigned long long* r, int slot) {
+  if (r) r[slot] = clock64();
+}
+__device__ __forceinline__ void trace_end(unsigned long long* r) {  // the max over the callers
+  if (r && threadIdx.x % 32 == 0) {
+    atomicMax(r + kEndNs, global_ns());
+    atomicMax(r + kEndClock, (unsigned long long)clock64());
+  }
+}
+#else
+__device__ __forceinline__ unsigned long long* trace_row() { return nullptr; }
+__device__ __forceinline__ void trace_start(unsigned long long*) {}
+__device__ __forceinline__ void trace(unsigned long long*, int) {}
+__device__ __forceinline__ void trace_end(unsigned long long*) {}
+#endif
+
 __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (query r, key k), k even
   return uint32_t((r >> 3) * 1024 + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
 }
@@ -145,6 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                        const bf16* __restrict__ dout, const float* __restrict__ lse,
                                        bf16* __restrict__ dqkv, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
+  unsigned long long* const tr = trace_row();
   constexpr int kTile = q_bytes(HD);
   const int n = tiles(T);
   const uint32_t s_q = smem_addr(smem), s_do = s_q + n * kTile, s_k = s_do + n * kTile, s_v = s_k + n * kTile;
@@ -161,6 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int last_k16 = (T - (n - 1) * kQTile + 15) / 16;
 
   const int whole = T / kQTile;  // tiles whose Q, dO, K, V come by TMA (tiles_map)
+  if (threadIdx.x == 0) trace_start(tr);
   if (threadIdx.x == 0)
     for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kLoaders + 1);  // + the TMA issuer's arrival
   if (last_k16 <= 2) {  // the last slot's columns that WG 0 leaves unwritten
@@ -175,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // every lse by cp.async. Rows at or past T are zero (lse 0 there: P = 1 against zero Q and dO
   // rows, which adds nothing).
   if (threadIdx.x == 128) {
+    trace(tr, kBwdIssueBegins);
     for (int t = 0; t < n; ++t) {
       const uint32_t bar = s_bar + 8 * t;
       if (t < whole) {
@@ -192,6 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
       }
     }
+    trace(tr, kBwdIssued);
   }
   if (wg > 0) {
     constexpr int kVecs = kQTile * (HD / 8);  // 16-byte vectors of a tile: thread x copies x + 256 k
@@ -242,6 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         constexpr int W = decltype(width)::value;
         if (i == 0) mbar_wait(s_bar + 8 * c, 0);  // tile c's K, V (and at c = 0 Q_0, dO_0)
         else if (c == 0) mbar_wait(s_bar + 8 * i, 0);
+        if (i == 0 && threadIdx.x == 0) trace(tr, kBwdLanded + c);
         if (c == 0) l_lo = stats[i * 128 + warp * 16 + g] * kLog2e, l_hi = stats[i * 128 + warp * 16 + g + 8] * kLog2e;
         wgmma::fence_proxy_async();
         float sc[W / 2], dp[W / 2];
@@ -290,6 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         wgmma::fence_proxy_async();
         bar_arrive(kFull + c, 256);
+        if (threadIdx.x == 0) trace(tr, kBwdSlotFull + 4 * i + c);
       };
       for (int c = 0; c + 1 < n; ++c) key_tile(c, std::integral_constant<int, 64>{});
       if (last_k16 > 2) key_tile(n - 1, std::integral_constant<int, 64>{});
@@ -310,6 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma::commit();
       wgmma::wait<0>();
+      if (threadIdx.x == 0) trace(tr, kBwdDqComplete + i);
       bf16* dq_dst = dqkv + size_t(b) * T * ld + h * HD;
 #pragma unroll
       for (int m = 0; m < HD / 8; ++m) {
@@ -321,7 +365,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           *reinterpret_cast<uint32_t*>(dq_dst + size_t(r_hi) * ld + col) =
               pack_bf16x2(dq[4 * m + 2] * scale, dq[4 * m + 3] * scale);
       }
+      if (threadIdx.x == 0) trace(tr, kBwdDqStored + i);
     }
+    trace_end(tr);
   } else {  // keys: dV, dK for key tiles 2j, 2j + 1
     regs_inc<kKeyRegs>();
     const int j = wg - 1;
@@ -354,6 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         if (half == 0) stats_w[t * 128 + 64 + x / 2] = sum;
         bar_arrive(kDelta + t, 256);
+        if (x == 0) trace(tr, kBwdDelta + t);
       }
     }
     float dv[2][HD / 2], dk[2][HD / 2];
@@ -361,7 +408,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int e = 0; e < HD / 2; ++e) dv[t][e] = dk[t][e] = 0.0f;
-    if (2 * j >= n) return;
+    if (2 * j >= n) {
+      trace_end(tr);
+      return;
+    }
     for (int i = 0; i < n; ++i) {
       mbar_wait(s_bar + 8 * i, 0);  // Q_i, dO_i
       wgmma::fence_proxy_async();
@@ -391,6 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       else if (last_k16 == 2) products(std::integral_constant<int, 2>{});
       else products(std::integral_constant<int, 1>{});
       wgmma::wait<0>();
+      if (threadIdx.x % 128 == 0) trace(tr, kBwdProducts + 4 * j + i);
       if (i + 1 < n)
 #pragma unroll
         for (int t = 0; t < 2; ++t)
@@ -410,6 +461,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           stage_fragments<HD>(smem + (s_v - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
+      if (threadIdx.x % 128 == 0) trace(tr, kBwdStaged + 2 * part + j);
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const int c = 2 * j + t;
@@ -417,7 +469,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           copy_out<HD>(smem + (s_v - s_q) + c * kTile, dk_dst + (part == 0 ? D : 0) + size_t(c) * kQTile * ld, ld,
                        min(T - c * kQTile, kQTile));
       }
+      if (threadIdx.x % 128 == 0) trace(tr, kBwdWritten + 2 * part + j);
     }
+    trace_end(tr);
   }
 }
 
@@ -449,6 +503,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
     attention_forward_resident_kernel(const __grid_constant__ CUtensorMap tiles_map, const bf16* __restrict__ qkv,
                                       bf16* __restrict__ out, float* __restrict__ lse, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
+  unsigned long long* const tr = trace_row();
   constexpr int kTile = q_bytes(HD);
   const int n = tiles(T), rows_kv = kv_rows(T);
   const uint32_t s_q = smem_addr(smem), s_k = s_q + n * kTile, s_v = s_k + rows_kv * HD * 2,
@@ -467,8 +522,10 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
   const int whole = T / kQTile;  // tiles by TMA
   if (threadIdx.x == 0)
     for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kFwdThreads + 1);
+  if (threadIdx.x == 0) trace_start(tr);
   __syncthreads();
   if (threadIdx.x == 0) {
+    trace(tr, kFwdIssueBegins);
     for (int t = 0; t < n; ++t) {
       const uint32_t bar = s_bar + 8 * t;
       if (t < whole) {
@@ -485,6 +542,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
       }
     }
+    trace(tr, kFwdIssued);
   }
   // The partial tile: thread x copies 16-byte vector x % kVecs of rows x / kVecs + kRowStep j, a
   // multiple of 8 rows apart, so that source and destination advance by constants. Rows at or past
@@ -531,6 +589,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
       constexpr int W = decltype(width)::value;
       float sc[W / 2];
       mbar_wait(s_bar + 8 * c, 0);  // K_c, V_c
+      if (threadIdx.x % 128 == 0 && i == wg) trace(tr, kFwdLanded + 4 * wg + c);
       wgmma::fence_proxy_async();
       wgmma::fence();
       const uint64_t q_desc = kmajor_desc<HD>(q_i, 0), k_desc = kmajor_desc<HD>(s_k + c * kTile, 0);
@@ -585,12 +644,14 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
 #pragma unroll
       for (int kk = 0; kk < W / 16; ++kk) wgmma::Mma<HD>::rs_bt(o, pa[kk], desc_step(v_desc, kk * 2 * HD * 16), 1);
       wgmma::commit();
+      if (threadIdx.x % 128 == 0) trace(tr, kFwdChunk + 4 * i + c);
     };
     for (int c = 0; c + 1 < n; ++c) chunk(c, std::integral_constant<int, 64>{});
     const int last_w = last_width(T);
     if (last_w == 16) chunk(n - 1, std::integral_constant<int, 16>{});
     else chunk(n - 1, std::integral_constant<int, 64>{});
     wgmma::wait<0>();
+    if (threadIdx.x % 128 == 0) trace(tr, kFwdComplete + i);
 
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -606,8 +667,11 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
     bar_sync(1 + wg, 128);  // every warp of the warpgroup is past its S products
     stage_fragments<HD>(smem + i * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
     bar_sync(1 + wg, 128);
+    if (threadIdx.x % 128 == 0) trace(tr, kFwdStaged + i);
     copy_out<HD>(smem + i * kTile, out + (size_t(b) * T + i * kQTile) * D + h * HD, size_t(D), min(T - i * kQTile, kQTile));
+    if (threadIdx.x % 128 == 0) trace(tr, kFwdStored + i);
   }
+  trace_end(tr);
 }
 
 }  // namespace
@@ -652,6 +716,12 @@ CUtensorMap tiles_map(const bf16* data, int B, int T, int columns, int hd) {
   return map;
 }
 }  // namespace
+
+#ifdef ATTENTION_TRACE
+void attention_trace::set_buffer(unsigned long long* buffer) {
+  CUDA_CHECK(cudaMemcpyToSymbol(g_trace, &buffer, sizeof buffer));
+}
+#endif
 
 bool attention_resident_fits(int T, int hd, int dev) {
   return resident_fits(T, hd, smem_bytes(tiles(T), hd), device_info(dev));

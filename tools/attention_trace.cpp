@@ -1,0 +1,159 @@
+// attention_trace: where the resident attention kernels' time goes, CTA by CTA. Linked against
+// kernels/attention_resident.cu compiled with -DATTENTION_TRACE (make attention_trace), whose
+// kernels stamp clock64 at their phases (kernels/attention_trace.h); one stamped launch of each
+// after three unstamped. Prints, per phase, the time from the CTA's start (median, 10th and 90th
+// percentile over the CTAs, microseconds) and, per kernel, the CTA durations and how many CTAs an
+// SM held on average. The stamps cost a few percent: the kernel's span is printed to compare with
+// attention_rate's.
+// Usage: attention_trace [B H T HD]   (default 64 16 197 80)
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine/check.h"
+#include "kernels/attention.h"
+#include "kernels/attention_trace.h"
+#include "kernels/elementwise.h"
+#include "kernels/random.h"
+
+namespace {
+using namespace attention_trace;
+
+double pct(std::vector<double> v, double p) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, size_t(p * (v.size() - 1) + 0.5))];
+}
+
+template <class Launch>
+void trace(const char* kernel, const std::vector<std::pair<int, std::string>>& slots, int ctas, unsigned long long* buf,
+           const Launch& launch) {
+  for (int i = 0; i < 3; ++i) launch();
+  set_buffer(buf);
+  CUDA_CHECK(cudaMemset(buf, 0, size_t(ctas) * kSlots * 8));
+  launch();
+  CUDA_CHECK(cudaDeviceSynchronize());
+  set_buffer(nullptr);
+  std::vector<unsigned long long> h(size_t(ctas) * kSlots);
+  CUDA_CHECK(cudaMemcpy(h.data(), buf, h.size() * 8, cudaMemcpyDeviceToHost));
+
+  std::vector<double> ns_per_clock, duration;
+  unsigned long long first = ~0ull, last = 0;
+  std::map<int, std::vector<std::pair<double, double>>> by_sm;  // SM -> (start, end) ns
+  for (int c = 0; c < ctas; ++c) {
+    const unsigned long long* r = &h[size_t(c) * kSlots];
+    if (r[kEndClock] <= r[kStartClock] || r[kEndNs] <= r[kStartNs]) continue;
+    ns_per_clock.push_back(double(r[kEndNs] - r[kStartNs]) / double(r[kEndClock] - r[kStartClock]));
+    first = std::min(first, r[kStartNs]), last = std::max(last, r[kEndNs]);
+  }
+  const double npc = pct(ns_per_clock, 0.5);
+  for (int c = 0; c < ctas; ++c) {
+    const unsigned long long* r = &h[size_t(c) * kSlots];
+    if (r[kEndClock] <= r[kStartClock]) continue;
+    duration.push_back((r[kEndClock] - r[kStartClock]) * npc * 1e-3);
+    by_sm[int(r[kSm])].push_back({double(r[kStartNs] - first), double(r[kEndNs] - first)});
+  }
+  const double span = double(last - first);
+  double resident_ns = 0;  // CTA-ns summed over SMs
+  size_t most = 0;
+  for (auto& [sm, v] : by_sm) {
+    for (auto& [s, e] : v) resident_ns += e - s;
+    most = std::max(most, v.size());
+  }
+  std::printf("\n%s: %d CTAs on %zu SMs (up to %zu an SM), kernel %.2f us, %.3f ns a clock\n", kernel, ctas, by_sm.size(),
+              most, span * 1e-3, npc);
+  std::printf("  CTA duration us: median %.2f, p10 %.2f, p90 %.2f; CTAs resident an SM on average %.2f\n",
+              pct(duration, 0.5), pct(duration, 0.1), pct(duration, 0.9), resident_ns / (span * by_sm.size()));
+  std::printf("  %-36s %8s %8s %8s %6s\n", "phase (us from the CTA's start)", "median", "p10", "p90", "CTAs");
+  for (const auto& [slot, name] : slots) {
+    std::vector<double> at;
+    for (int c = 0; c < ctas; ++c) {
+      const unsigned long long* r = &h[size_t(c) * kSlots];
+      if (r[slot] > r[kStartClock]) at.push_back((r[slot] - r[kStartClock]) * npc * 1e-3);
+    }
+    if (!at.empty())
+      std::printf("  %-36s %8.2f %8.2f %8.2f %6zu\n", name.c_str(), pct(at, 0.5), pct(at, 0.1), pct(at, 0.9), at.size());
+  }
+  std::vector<double> end;
+  for (int c = 0; c < ctas; ++c) {
+    const unsigned long long* r = &h[size_t(c) * kSlots];
+    if (r[kEndClock] > r[kStartClock]) end.push_back((r[kEndClock] - r[kStartClock]) * npc * 1e-3);
+  }
+  std::printf("  %-36s %8.2f %8.2f %8.2f %6zu\n", "end", pct(end, 0.5), pct(end, 0.1), pct(end, 0.9), end.size());
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  int B = 64, H = 16, T = 197, hd = 80;
+  if (argc == 5) B = std::atoi(argv[1]), H = std::atoi(argv[2]), T = std::atoi(argv[3]), hd = std::atoi(argv[4]);
+  else if (argc != 1) {
+    std::fprintf(stderr, "usage: attention_trace [B H T HD]\n");
+    return 2;
+  }
+  try {
+    if (!attention_resident_supported(T, hd) || !attention_forward_resident_supported(T, hd)) {
+      std::fprintf(stderr, "attention_trace: T %d, hd %d is not the resident kernels' shape\n", T, hd);
+      return 2;
+    }
+    const int D = H * hd, ctas = B * H;
+    const size_t rows = size_t(B) * T;
+    float* tmp;
+    __nv_bfloat16 *qkv, *out, *dout, *dqkv;
+    float *lse, *delta;
+    unsigned long long* buf;
+    CUDA_CHECK(cudaMalloc(&tmp, rows * 3 * D * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&qkv, rows * 3 * D * 2));
+    CUDA_CHECK(cudaMalloc(&dqkv, rows * 3 * D * 2));
+    CUDA_CHECK(cudaMalloc(&out, rows * D * 2));
+    CUDA_CHECK(cudaMalloc(&dout, rows * D * 2));
+    CUDA_CHECK(cudaMalloc(&lse, size_t(B) * H * T * 4));
+    CUDA_CHECK(cudaMalloc(&delta, size_t(B) * H * T * 4));
+    CUDA_CHECK(cudaMalloc(&buf, size_t(ctas) * kSlots * 8));
+    fill_normal(tmp, rows * 3 * D, 1, 1, 0, 1, -1e30f, 1e30f, 0);
+    cast_to_bf16(tmp, qkv, rows * 3 * D, 0);
+    cast_to_bf16(tmp, dout, rows * D, 0);
+    std::printf("attention_trace %d %d %d %d\n", B, H, T, hd);
+
+    const auto str = [](int k) { return std::to_string(k); };
+    std::vector<std::pair<int, std::string>> fwd = {{kFwdIssueBegins, "TMA issue begins (thread 0)"},
+                                                    {kFwdIssued, "TMA issued"}};
+    for (int w = 0; w < 2; ++w)
+      for (int c = 0; c < 4; ++c) fwd.push_back({kFwdLanded + 4 * w + c, "WG" + str(w) + " finds tile " + str(c) + " landed"});
+    for (int i = 0; i < 4; ++i) {
+      for (int c = 0; c < 4; ++c) fwd.push_back({kFwdChunk + 4 * i + c, "q tile " + str(i) + ": chunk " + str(c) + " issued"});
+      fwd.push_back({kFwdComplete + i, "q tile " + str(i) + ": O complete"});
+      fwd.push_back({kFwdStaged + i, "q tile " + str(i) + ": O staged"});
+      fwd.push_back({kFwdStored + i, "q tile " + str(i) + ": O written"});
+    }
+    trace("forward (resident)", fwd, ctas, buf,
+          [&] { attention_forward(qkv, out, lse, B, T, H, hd, 0, AttentionForward::Resident); });
+
+    std::vector<std::pair<int, std::string>> bwd = {{kBwdIssueBegins, "TMA issue begins (thread 128)"},
+                                                    {kBwdIssued, "TMA issued"}};
+    for (int c = 0; c < 4; ++c) bwd.push_back({kBwdLanded + c, "WG0 finds tile " + str(c) + " landed"});
+    for (int t = 0; t < 4; ++t) bwd.push_back({kBwdDelta + t, "WG2 delta of tile " + str(t)});
+    for (int i = 0; i < 4; ++i) {
+      for (int c = 0; c < 4; ++c) bwd.push_back({kBwdSlotFull + 4 * i + c, "WG0 q " + str(i) + " k " + str(c) + ": slot full"});
+      bwd.push_back({kBwdDqComplete + i, "WG0 q " + str(i) + ": dQ complete"});
+      bwd.push_back({kBwdDqStored + i, "WG0 q " + str(i) + ": dQ written"});
+      for (int j = 0; j < 2; ++j) bwd.push_back({kBwdProducts + 4 * j + i, "WG" + str(j + 1) + " q " + str(i) + ": products done"});
+    }
+    for (int j = 0; j < 2; ++j)
+      for (int part = 0; part < 2; ++part) {
+        const std::string what = "WG" + str(j + 1) + (part ? " dK" : " dV");
+        bwd.push_back({kBwdStaged + 2 * part + j, what + " staged"});
+        bwd.push_back({kBwdWritten + 2 * part + j, what + " written"});
+      }
+    trace("backward (resident)", bwd, ctas, buf,
+          [&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0, AttentionBackward::Resident); });
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attention_trace: error: %s\n", e.what());
+    return 1;
+  }
+}
