@@ -7,7 +7,7 @@
 //     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots.
 //   WG 1, WG 2 (keys): WG 1 + j owns key tiles 2j and 2j + 1 and accumulates dV_c += P^T dO_i and
 //     dK_c += dS^T Q_i from slot c (A = P^T, dS^T: the slot read MN-major). That is 160 fp32
-//     registers a thread, which they take from WG 0 (setmaxnreg). Before that they issue every
+//     registers a thread, which they take from WG 0 (setmaxnreg). Before that WG 1 issues every
 //     load, so that WG 0 starts as soon as the first tile lands, and WG 2 computes
 //     delta = rowsum(dO * O) tile by tile (no separate kernel).
 // A last, partial tile is computed only as far as its rows reach, rounded up to 16 (at ViT's 197
@@ -15,16 +15,19 @@
 // contract over that many of its queries. dQ contracts over all 64 of its keys, the slot's
 // unwritten columns zeroed at the start (a guard on dQ's last steps makes ptxas serialize the
 // wgmmas).
-// Hand-overs: the loads land on one mbarrier per tile (cp.async arrivals); slot c goes from WG 0
-// to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta through
-// DELTA_t.
-// Shared-memory layouts (no swizzle: 8 x 8 core matrices of 128 contiguous bytes):
-//   Q, dO, K, V tiles [64 rows][hd]: 16-byte vector c of row r at (r/8) * hd*16 + c*128 + (r%8)*16.
-//     K-major (as A or B over hd): LBO 128, SBO hd*16, k16 step kk at + kk*256. MN-major (as B
-//     with K = the rows: dO, Q for dV, dK; K for dQ): LBO hd*16, SBO 128, k16 step j at + j*2*hd*16.
-//   Slot, 64 queries x 64 keys (P, then dS): vector k (keys 8k..8k+7) of query r at
-//     (r/8) * 1024 + k*128 + (r%8)*16: K-major for dS as A of dQ (LBO 128, SBO 1024), MN-major for
-//     P^T and dS^T as A of dV and dK (M = keys; LBO 1024 along the queries, SBO 128).
+// Hand-overs: the loads land on one mbarrier per tile (TMA bytes, lse by cp.async); slot c goes
+// from WG 0 to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta
+// through DELTA_t.
+// Shared-memory layouts:
+//   Q, dO, K, V tiles [rows][hd], 32-byte swizzle (tile_offset): hd / 16 chunks of 16 columns,
+//     rows 32 bytes apart in a chunk. TMA writes them so, a partial last tile too (the maps end at
+//     T: zeros past it), and no warp copies anything; descriptor_sw32 reads them K-major (as A or B
+//     over hd: k16 step kk is chunk kk) or MN-major (as B with K = the rows: dO, Q for dV, dK; K
+//     for dQ; V in the forward: LBO the chunk stride, SBO 256, k16 step j at + 512 j).
+//   Slot, 64 queries x 64 keys (P, then dS; written by the threads, no swizzle): vector k (keys
+//     8k..8k+7) of query r at (r/8) * 1024 + k*128 + (r%8)*16: K-major for dS as A of dQ (LBO 128,
+//     SBO 1024), MN-major for P^T and dS^T as A of dV and dK (M = keys; LBO 1024 along the
+//     queries, SBO 128).
 #include "kernels/attention_resident.h"
 
 #include <cuda.h>  // CUtensorMap (the encoder comes through the runtime: no link against libcuda)
@@ -46,17 +49,20 @@ constexpr float kLog2e = 1.4426950408889634f;
 __host__ __device__ constexpr int q_bytes(int hd) { return kQTile * hd * 2; }
 __host__ __device__ constexpr int tiles(int T) { return (T + kQTile - 1) / kQTile; }  // 64-row tiles
 
-template <int HD>
-__device__ __forceinline__ uint32_t kmajor_offset(int r, int c) {
-  return uint32_t((r >> 3) * HD * 16 + c * 128 + (r & 7) * 16);
+// Byte of 16-byte vector c (columns 8c .. 8c + 7) of row r in an operand tile of `rows` rows: the
+// 32-byte-swizzle layout TMA writes (SWIZZLE_32B) and wgmma reads (descriptor_sw32). Chunk c / 2
+// (16 columns) of every row, then the next chunk; rows 32 bytes apart; halves swapped in rows
+// with r & 4. A warp's 8-row strips of one vector fall in 8 different bank quads.
+__device__ __forceinline__ uint32_t tile_offset(int rows, int r, int c) {
+  return uint32_t((c >> 1) * rows * 32 + r * 32 + (((c & 1) ^ ((r >> 2) & 1)) << 4));
 }
-template <int HD>
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile, int kk) {
-  return wgmma::descriptor(tile + kk * 256, 128, HD * 16);
+// A tile as a K-major operand (K = its columns): k16 step kk is chunk kk.
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile, int rows, int kk) {
+  return wgmma::descriptor_sw32(tile + kk * rows * 32, 16, 256);
 }
-template <int HD>
-__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile, int j) {
-  return wgmma::descriptor(tile + j * 2 * HD * 16, HD * 16, 128);
+// A tile as an MN-major operand (K = its rows, N = its columns): k16 step j is rows 16j .. 16j + 15.
+__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile, int rows, int j) {
+  return wgmma::descriptor_sw32(tile + j * 512, rows * 32, 256);
 }
 // desc advanced by bytes (a multiple of 16) at the point of use: volatile, so that the compiler does
 // not hoist every step's descriptor out of a loop and hold them in registers (the forward spills).
@@ -66,7 +72,7 @@ __device__ __forceinline__ uint64_t desc_step(uint64_t desc, uint32_t bytes) {
   return out;
 }
 
-constexpr int kThreads = 384, kLoaders = 256;
+constexpr int kThreads = 384, kLseLoaders = kQTile;
 constexpr int kSlotBytes = 2 * 64 * 64 * 2;  // P, then dS
 // setmaxnreg moves registers within the CTA's own pool (SASS: CTAPOOL), 168 a thread at launch
 // (__launch_bounds__(384, 1)): the three warpgroups' counts may sum to 3 x 168 = 504, no more (an
@@ -91,6 +97,14 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 // Arrives on bar once all of this thread's earlier cp.async have landed.
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// A box of a tiles_map (16 columns x rows x chunks of 16 columns, from `chunk` on, rows from
+// row0 of image b) into dst, its bytes counted on bar.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int chunk, int row0, int b, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(row0), "r"(chunk), "r"(b), "r"(bar)
+      : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
   uint32_t done = 0;
@@ -120,18 +134,23 @@ __device__ __forceinline__ void stage_fragments(unsigned char* tile, const float
   const int row = warp * 16 + g;
 #pragma unroll
   for (int m = 0; m < HD / 8; ++m) {
-    *reinterpret_cast<uint32_t*>(tile + kmajor_offset<HD>(row, m) + 4 * q) =
+    *reinterpret_cast<uint32_t*>(tile + tile_offset(kQTile, row, m) + 4 * q) =
         pack_bf16x2(acc[4 * m] * mult_lo, acc[4 * m + 1] * mult_lo);
-    *reinterpret_cast<uint32_t*>(tile + kmajor_offset<HD>(row + 8, m) + 4 * q) =
+    *reinterpret_cast<uint32_t*>(tile + tile_offset(kQTile, row + 8, m) + 4 * q) =
         pack_bf16x2(acc[4 * m + 2] * mult_hi, acc[4 * m + 3] * mult_hi);
   }
 }
 template <int HD>
 __device__ __forceinline__ void copy_out(const unsigned char* tile, bf16* dst, size_t ld, int valid) {
-  constexpr int kVecs = HD / 8;
-  for (int v = int(threadIdx.x) % 128; v < valid * kVecs; v += 128) {
-    const int r = v / kVecs, c = v % kVecs;
-    *reinterpret_cast<uint4*>(dst + size_t(r) * ld + c * 8) = *reinterpret_cast<const uint4*>(tile + kmajor_offset<HD>(r, c));
+  // Units of 8 rows x 2 vectors (whole 32-byte sectors of 8 rows), 16 threads each: lanes 0-7 the
+  // even vector of rows 8u' .. 8u' + 7, lanes 8-15 the odd one (conflict-free reads).
+  constexpr int kPairs = HD / 16, kUnits = kQTile / 8 * kPairs;
+  const int x = int(threadIdx.x) % 128, lane16 = x % 16;
+  for (int u = x / 16; u < kUnits; u += 8) {
+    const int r = 8 * (u / kPairs) + (lane16 & 7), c = 2 * (u % kPairs) + (lane16 >> 3);
+    if (r < valid)
+      *reinterpret_cast<uint4*>(dst + size_t(r) * ld + c * 8) =
+          *reinterpret_cast<const uint4*>(tile + tile_offset(kQTile, r, c));
   }
 }
 
@@ -178,8 +197,7 @@ __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (que
 template <int HD>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap do_map,
-                                       const bf16* __restrict__ qkv, const bf16* __restrict__ out,
-                                       const bf16* __restrict__ dout, const float* __restrict__ lse,
+                                       const bf16* __restrict__ out, const float* __restrict__ lse,
                                        bf16* __restrict__ dqkv, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = trace_row();
@@ -190,82 +208,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int h = blockIdx.x, b = blockIdx.y;
   const int D = H * HD;
   const size_t ld = 3 * size_t(D);
-  const bf16* q_src = qkv + size_t(b) * T * ld + h * HD;
-  const bf16* do_src = dout + size_t(b) * T * D + h * HD;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
   // k16 steps that cover the last tile's rows (as keys of dQ, as queries of dK and dV): the rest
   // contribute nothing (P and dS are 0 on padding keys, dO and Q on padding queries).
   const int last_k16 = (T - (n - 1) * kQTile + 15) / 16;
 
-  const int whole = T / kQTile;  // tiles whose Q, dO, K, V come by TMA (tiles_map)
   if (threadIdx.x == 0) trace_start(tr);
   if (threadIdx.x == 0)
-    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kLoaders + 1);  // + the TMA issuer's arrival
+    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kLseLoaders + 1);  // + the TMA issuer's arrival
   if (last_k16 <= 2) {  // the last slot's columns that WG 0 leaves unwritten
     for (int v = int(threadIdx.x); v < kSlotBytes / 16; v += kThreads)
       *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (n - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
     wgmma::fence_proxy_async();
   }
   __syncthreads();
-  // WG 1 and 2 (idle until WG 0 fills a slot) issue the loads, so that WG 0 starts on tile 0 as
-  // soon as it lands: tile t (rows 64t .. 64t + 63 of Q, dO, K, V and lse) on mbarrier t. Whole
-  // tiles' Q, dO, K and V come by TMA, issued by WG 1's first thread; a partial last tile's and
-  // every lse by cp.async. Rows at or past T are zero (lse 0 there: P = 1 against zero Q and dO
-  // rows, which adds nothing).
+  // WG 1 (idle until WG 0 fills a slot) issues the loads, so that WG 0 starts on tile 0 as soon as
+  // it lands: tile t (rows 64t .. 64t + 63 of Q, dO, K, V and lse) on mbarrier t. Q, dO, K and V
+  // come by TMA, issued by its first thread; rows at or past T arrive as zeros (the tensor maps end
+  // at T). lse by cp.async from its last 64 threads, 0 past T (P = 1 against zero Q and dO rows,
+  // which adds nothing).
   if (threadIdx.x == 128) {
     trace(tr, kBwdIssueBegins);
     for (int t = 0; t < n; ++t) {
       const uint32_t bar = s_bar + 8 * t;
-      if (t < whole) {
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(4 * kTile) : "memory");
-        for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
-          const uint32_t dst = s_q + which * n * kTile + t * kTile;
-          const CUtensorMap* map = which == 1 ? &do_map : &qkv_map;
-          const int vector = ((which < 2 ? 0 : (which - 1) * H) + h) * HD / 8;
-          asm volatile(
-              "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
-              "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(0), "r"(vector), "r"(8 * t), "r"(b), "r"(bar)
-              : "memory");
-        }
-      } else {
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(4 * kTile) : "memory");
+      for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
+        const int chunk = ((which < 2 ? 0 : (which - 1) * H) + h) * HD / 16;
+        tma_load(s_q + which * n * kTile + t * kTile, which == 1 ? &do_map : &qkv_map, chunk, t * kQTile, b, bar);
       }
     }
     trace(tr, kBwdIssued);
   }
-  if (wg > 0) {
-    constexpr int kVecs = kQTile * (HD / 8);  // 16-byte vectors of a tile: thread x copies x + 256 k
-    constexpr int kPer = (kVecs + kLoaders - 1) / kLoaders;
-    const int x = int(threadIdx.x) - 128;
-    uint32_t offset[kPer];
-    int row[kPer], col[kPer];
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int v = x + k * kLoaders;
-      row[k] = v < kVecs ? v / (HD / 8) : kQTile, col[k] = v % (HD / 8);
-      offset[k] = kmajor_offset<HD>(row[k] % kQTile, col[k]);
-    }
+  if (threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256) {
+    const int x = int(threadIdx.x) - (256 - kLseLoaders);
     const float* lse_bh = lse + (size_t(b) * H + h) * T;
     for (int t = 0; t < n; ++t) {
-#pragma unroll
-      for (int which = 0; which < 4; ++which) {  // Q, dO, K, V of a partial tile
-        if (t < whole) break;
-        const bf16* src = which == 1 ? do_src : q_src + (which == 0 ? 0 : which - 1) * D;
-        const size_t stride = which == 1 ? size_t(D) : ld;
-        const uint32_t dst = s_q + which * n * kTile + t * kTile;
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) {
-          const int r = t * kQTile + row[k];
-          if (row[k] < kQTile) cp_async_16(dst + offset[k], r < T ? src + r * stride + col[k] * 8 : src, r < T);
-        }
-      }
-      if (x < 64) {
-        const int r = t * kQTile + x;
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + t * 512 + x * 4),
-                     "l"(__cvta_generic_to_global(r < T ? lse_bh + r : lse_bh)), "r"(r < T ? 4 : 0)
-                     : "memory");
-      }
+      const int r = t * kQTile + x;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + t * 512 + x * 4),
+                   "l"(__cvta_generic_to_global(r < T ? lse_bh + r : lse_bh)), "r"(r < T ? 4 : 0)
+                   : "memory");
       cp_async_arrive(s_bar + 8 * t);
     }
   }
@@ -290,11 +272,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma::fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma::Mma<W>::ss(sc, kmajor_desc<HD>(q_i, kk), kmajor_desc<HD>(s_k + c * kTile, kk), kk > 0);
+          wgmma::Mma<W>::ss(sc, kmajor_desc(q_i, kQTile, kk), kmajor_desc(s_k + c * kTile, kQTile, kk), kk > 0);
         wgmma::commit();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma::Mma<W>::ss(dp, kmajor_desc<HD>(do_i, kk), kmajor_desc<HD>(s_v + c * kTile, kk), kk > 0);
+          wgmma::Mma<W>::ss(dp, kmajor_desc(do_i, kQTile, kk), kmajor_desc(s_v + c * kTile, kQTile, kk), kk > 0);
         wgmma::commit();
         wgmma::wait<1>();  // S: P = exp(S scale - lse) while dP is in flight; 0 for keys at or past T
 #pragma unroll
@@ -348,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             wgmma::Mma<HD>::ss_bt(dq, wgmma::descriptor(s_slot + c * kSlotBytes + 8192 + kk * 256, 128, 1024),
-                                  mnmajor_desc<HD>(s_k + c * kTile, kk), c > 0 || kk > 0);
+                                  mnmajor_desc(s_k + c * kTile, kQTile, kk), c > 0 || kk > 0);
         }
       }
       wgmma::commit();
@@ -387,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const unsigned char* do_tile = smem + (s_do - s_q) + t * kTile;
 #pragma unroll
           for (int c = 0; c < HD / 16; ++c) {
-            const uint4 d = *reinterpret_cast<const uint4*>(do_tile + kmajor_offset<HD>(x / 2, 2 * c + half));
+            const uint4 d = *reinterpret_cast<const uint4*>(do_tile + tile_offset(kQTile, x / 2, 2 * c + half));
             const uint32_t ow[4] = {o[c].x, o[c].y, o[c].z, o[c].w}, dw[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -428,11 +410,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             wgmma::fence();
 #pragma unroll
             for (int kk = 0; kk < kSteps; ++kk)
-              wgmma::Mma<HD>::ss_tt(dv[t], wgmma::descriptor(slot + kk * 2048, 1024, 128), mnmajor_desc<HD>(do_i, kk), 1);
+              wgmma::Mma<HD>::ss_tt(dv[t], wgmma::descriptor(slot + kk * 2048, 1024, 128), mnmajor_desc(do_i, kQTile, kk), 1);
 #pragma unroll
             for (int kk = 0; kk < kSteps; ++kk)
               wgmma::Mma<HD>::ss_tt(dk[t], wgmma::descriptor(slot + 8192 + kk * 2048, 1024, 128),
-                                    mnmajor_desc<HD>(q_i, kk), 1);
+                                    mnmajor_desc(q_i, kQTile, kk), 1);
             wgmma::commit();
           }
         }
@@ -479,8 +461,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // Forward: one CTA of two warpgroups per (image, head). Q (n tiles of 64 rows), K and V (rows up
 // to kv_rows(T): the last tile only as far as its rows reach, rounded to 16 or 64) are loaded
-// once, tile t on mbarrier t: whole tiles by TMA (one thread issues them; the warps' own
-// cp.async took ~30% of their time), a partial last tile by cp.async. Warpgroup w takes query
+// once, tile t on mbarrier t, by TMA (one thread issues them; the warps' own cp.async took ~30%
+// of their time). Warpgroup w takes query
 // tiles w, w + 2. Per query tile, an online softmax over key chunks of 64 (the last as wide as
 // kv_rows leaves it):
 //   S = Q_i K_c^T (A, B K-major in shared memory), P = exp(S scale - m) in registers, packed to
@@ -500,7 +482,7 @@ __host__ __device__ constexpr int fwd_smem_bytes(int T, int hd) {
 
 template <int HD>
 __global__ void __launch_bounds__(kFwdThreads, 2)
-    attention_forward_resident_kernel(const __grid_constant__ CUtensorMap tiles_map, const bf16* __restrict__ qkv,
+    attention_forward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap narrow_map,
                                       bf16* __restrict__ out, float* __restrict__ lse, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = trace_row();
@@ -510,68 +492,31 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
                  s_bar = s_v + rows_kv * HD * 2;
   const int h = blockIdx.x, b = blockIdx.y;
   const int D = H * HD;
-  const size_t ld = 3 * size_t(D);
-  const bf16* q_src = qkv + size_t(b) * T * ld + h * HD;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
+  const int last_rows = last_width(T);  // rows of the last K and V tiles (16 or 64)
 
-  // Whole tiles (64 real rows) come by TMA, issued by thread 0 (tiles_map: see
-  // forward_tiles_map); a last, partial tile by cp.async from every thread. Tile t lands on
-  // mbarrier t: thread 0's arrival (with the TMA bytes expected, or plain) and every thread's
-  // cp.async arrival.
-  const int whole = T / kQTile;  // tiles by TMA
+  // Every tile comes by TMA, issued by thread 0, tile t (Q, K, V) on mbarrier t; rows at or past T
+  // arrive as zeros (the tensor maps end at T: K's then get probability 0 by the mask, and V's add
+  // nothing). The last K and V tiles, if 16 rows, through narrow_map.
   if (threadIdx.x == 0)
-    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kFwdThreads + 1);
+    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, 1);
   if (threadIdx.x == 0) trace_start(tr);
   __syncthreads();
   if (threadIdx.x == 0) {
     trace(tr, kFwdIssueBegins);
     for (int t = 0; t < n; ++t) {
       const uint32_t bar = s_bar + 8 * t;
-      if (t < whole) {
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(3 * kTile) : "memory");
-        for (int part = 0; part < 3; ++part) {
-          const uint32_t dst = (part == 0 ? s_q : part == 1 ? s_k : s_v) + t * kTile;
-          asm volatile(
-              "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
-              "l"(reinterpret_cast<uint64_t>(&tiles_map)), "r"(0), "r"(0), "r"((part * H + h) * HD / 8), "r"(8 * t), "r"(b),
-              "r"(bar)
-              : "memory");
-        }
-      } else {
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-      }
+      const bool narrow = t + 1 == n && last_rows < kQTile;
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                   "r"(kTile + 2 * (narrow ? last_rows : kQTile) * HD * 2)
+                   : "memory");
+      for (int part = 0; part < 3; ++part)
+        tma_load((part == 0 ? s_q : part == 1 ? s_k : s_v) + t * kTile, part > 0 && narrow ? &narrow_map : &qkv_map,
+                 (part * H + h) * HD / 16, t * kQTile, b, bar);
     }
     trace(tr, kFwdIssued);
   }
-  // The partial tile: thread x copies 16-byte vector x % kVecs of rows x / kVecs + kRowStep j, a
-  // multiple of 8 rows apart, so that source and destination advance by constants. Rows at or past
-  // T are zero (K's get probability 0 by the mask, V's then add nothing).
-  constexpr int kVecs = HD / 8;                          // 16-byte vectors a row
-  constexpr int kRowStep = kFwdThreads / kVecs / 8 * 8;  // 24 at hd 80, 32 at hd 64
-  const int x = int(threadIdx.x), col = x % kVecs, row0 = x / kVecs;
-  if (row0 < kRowStep) {
-    const uint32_t dst0 = kmajor_offset<HD>(row0, col);
-    const bf16* src0 = q_src + size_t(row0) * ld + col * 8;
-#pragma unroll 1
-    for (int t = whole; t < n; ++t) {
-      const int kv_end = min(rows_kv - t * kQTile, kQTile);
-#pragma unroll 1
-      for (int r = 0; r < kQTile; r += kRowStep) {
-        if (row0 + r < kQTile) {
-          const int row = t * kQTile + r + row0;
-          const uint32_t dst = t * kTile + dst0 + r / 8 * HD * 16;
-          const bf16* src = row < T ? src0 + size_t(t * kQTile + r) * ld : q_src;
-          cp_async_16(s_q + dst, src, row < T);
-          if (row0 + r < kv_end) {
-            cp_async_16(s_k + dst, src + D, row < T);
-            cp_async_16(s_v + dst, src + 2 * D, row < T);
-          }
-        }
-      }
-    }
-  }
-  for (int t = 0; t < n; ++t) cp_async_arrive(s_bar + 8 * t);
 
   const float scale_log2 = scale * kLog2e;
   for (int i = wg; i < n; i += 2) {
@@ -592,10 +537,11 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
       if (threadIdx.x % 128 == 0 && i == wg) trace(tr, kFwdLanded + 4 * wg + c);
       wgmma::fence_proxy_async();
       wgmma::fence();
-      const uint64_t q_desc = kmajor_desc<HD>(q_i, 0), k_desc = kmajor_desc<HD>(s_k + c * kTile, 0);
+      // K_c and V_c have W rows (64, or 16 in a narrow last tile): their chunks are W * 32 bytes apart.
+      const uint64_t q_desc = kmajor_desc(q_i, kQTile, 0), k_desc = kmajor_desc(s_k + c * kTile, W, 0);
 #pragma unroll
       for (int kk = 0; kk < HD / 16; ++kk)
-        wgmma::Mma<W>::ss(sc, desc_step(q_desc, kk * 256), desc_step(k_desc, kk * 256), kk > 0);
+        wgmma::Mma<W>::ss(sc, desc_step(q_desc, kk * kQTile * 32), desc_step(k_desc, kk * W * 32), kk > 0);
       wgmma::commit();
       wgmma::wait<0>();  // S, and O += P V of chunk c - 1 (o and pa are free)
       if (c + 1 == n) {  // keys at or past T: score -inf, probability 0
@@ -640,9 +586,9 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
         o[4 * e + 2] *= corr_hi, o[4 * e + 3] *= corr_hi;
       }
       wgmma::fence();  // o and pa written before the wgmmas read them
-      const uint64_t v_desc = mnmajor_desc<HD>(s_v + c * kTile, 0);
+      const uint64_t v_desc = mnmajor_desc(s_v + c * kTile, W, 0);
 #pragma unroll
-      for (int kk = 0; kk < W / 16; ++kk) wgmma::Mma<HD>::rs_bt(o, pa[kk], desc_step(v_desc, kk * 2 * HD * 16), 1);
+      for (int kk = 0; kk < W / 16; ++kk) wgmma::Mma<HD>::rs_bt(o, pa[kk], desc_step(v_desc, kk * 512), 1);
       wgmma::commit();
       if (threadIdx.x % 128 == 0) trace(tr, kFwdChunk + 4 * i + c);
     };
@@ -696,21 +642,21 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// A [B, T, columns] bf16 tensor (qkv: 3 H hd columns, dout: H hd) seen as 64-row tiles of one
-// head's Q, K, V or dO in the kernels' K-major core-matrix layout: dims (element of a 16-byte
-// vector, row % 8, vector along the columns, row / 8, image), so that a box {8, 8, hd / 8, 8, 1} lands as 8 x 8 core matrices
-// with vector c of row r at (r / 8) hd 16 + c 128 + (r % 8) 16 bytes. Only whole 8-row groups
-// are in the map (T / 8 of them): the kernel takes whole tiles from it.
-CUtensorMap tiles_map(const bf16* data, int B, int T, int columns, int hd) {
+// A [B, T, columns] bf16 tensor (qkv: 3 H hd columns, dout: H hd) seen as tiles of `rows` rows of
+// one head's Q, K, V or dO in the kernels' 32-byte-swizzle layout (tile_offset): dims (element of a
+// 16-column chunk, row, chunk, image), strides (row, 32 bytes, image), box {16, rows, hd / 16, 1}:
+// chunk after chunk, 32-byte rows, swizzled by the TMA unit. Rows end at T: a box past them is
+// filled with zeros.
+CUtensorMap tiles_map(const bf16* data, int B, int T, int columns, int hd, int rows) {
   const cuuint64_t cols = cuuint64_t(columns);
-  const cuuint64_t dims[5] = {8, 8, cols / 8, cuuint64_t(T / 8), cuuint64_t(B)};
-  const cuuint64_t strides[4] = {cols * 2, 16, cols * 16, cuuint64_t(T) * cols * 2};  // bytes, dims 1..4
-  const cuuint32_t box[5] = {8, 8, cuuint32_t(hd / 8), 8, 1};
-  const cuuint32_t steps[5] = {1, 1, 1, 1, 1};
+  const cuuint64_t dims[4] = {16, cuuint64_t(T), cols / 16, cuuint64_t(B)};
+  const cuuint64_t strides[3] = {cols * 2, 32, cuuint64_t(T) * cols * 2};  // bytes, dims 1..3
+  const cuuint32_t box[4] = {16, cuuint32_t(rows), cuuint32_t(hd / 16), 1};
+  const cuuint32_t steps[4] = {1, 1, 1, 1};
   CUtensorMap map;
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, const_cast<bf16*>(data), dims,
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<bf16*>(data), dims,
                                           strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                          CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   ENSURE(r == CUDA_SUCCESS, "attention resident kernels: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
   return map;
@@ -735,10 +681,9 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
   const auto launch = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
-    const bool tma = T >= kQTile;  // a whole tile to load
     attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
-        tma ? tiles_map(qkv, B, T, 3 * H * HD, HD) : CUtensorMap{}, tma ? tiles_map(dout, B, T, H * HD, HD) : CUtensorMap{},
-        qkv, out, dout, lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+        tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile), tiles_map(dout, B, T, H * HD, HD, kQTile), out, lse, dqkv, T, H,
+        1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});
@@ -764,7 +709,7 @@ void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, i
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
     attention_forward_resident_kernel<HD><<<dim3(H, B), kFwdThreads, fwd_smem_bytes(T, HD), stream>>>(
-        T >= kQTile ? tiles_map(qkv, B, T, 3 * H * HD, HD) : CUtensorMap{}, qkv, out, lse, T, H,
+        tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile), tiles_map(qkv, B, T, 3 * H * HD, HD, last_width(T)), out, lse, T, H,
         1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
