@@ -124,10 +124,9 @@ __device__ __forceinline__ void regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 // A warpgroup's 64 x HD fp32 accumulator (rows g and g + 8 of warp w's 16 scaled by mult_lo and
-// mult_hi) as bf16 into a K-major tile in shared memory; then, after a barrier, copy_out writes
-// the tile's first `valid` rows to global memory (row stride ld elements) in whole 16-byte
-// vectors, a row's in consecutive lanes (from the fragments directly each 32-byte sector would be
-// written half).
+// mult_hi) as bf16 into a 64-row tile in shared memory (tile_offset's layout, conflict-free), made
+// visible to the async proxy: after a barrier, tma_store writes it out (from the fragments
+// directly each 32-byte sector would be written half, and the warps' own copies were slow).
 template <int HD>
 __device__ __forceinline__ void stage_fragments(unsigned char* tile, const float (&acc)[HD / 2], float mult_lo,
                                                 float mult_hi, int warp, int g, int q) {
@@ -139,20 +138,20 @@ __device__ __forceinline__ void stage_fragments(unsigned char* tile, const float
     *reinterpret_cast<uint32_t*>(tile + tile_offset(kQTile, row + 8, m) + 4 * q) =
         pack_bf16x2(acc[4 * m + 2] * mult_hi, acc[4 * m + 3] * mult_hi);
   }
+  wgmma::fence_proxy_async();
 }
-template <int HD>
-__device__ __forceinline__ void copy_out(const unsigned char* tile, bf16* dst, size_t ld, int valid) {
-  // Units of 8 rows x 2 vectors (whole 32-byte sectors of 8 rows), 16 threads each: lanes 0-7 the
-  // even vector of rows 8u' .. 8u' + 7, lanes 8-15 the odd one (conflict-free reads).
-  constexpr int kPairs = HD / 16, kUnits = kQTile / 8 * kPairs;
-  const int x = int(threadIdx.x) % 128, lane16 = x % 16;
-  for (int u = x / 16; u < kUnits; u += 8) {
-    const int r = 8 * (u / kPairs) + (lane16 & 7), c = 2 * (u % kPairs) + (lane16 >> 3);
-    if (r < valid)
-      *reinterpret_cast<uint4*>(dst + size_t(r) * ld + c * 8) =
-          *reinterpret_cast<const uint4*>(tile + tile_offset(kQTile, r, c));
-  }
+// A staged tile (rows 64 from row0, `chunk` on, of image b) to global memory by TMA, whose map
+// ends at T (rows past it are not written), committed as a bulk group: the issuing thread must
+// bulk_wait_read() before the tile is written again or the CTA exits.
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int chunk, int row0, int b) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(0), "r"(row0), "r"(chunk), "r"(b), "r"(src)
+      : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
 // Phase stamps (kernels/attention_trace.h): code only in the traced build.
 using namespace attention_trace;
@@ -197,8 +196,8 @@ __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (que
 template <int HD>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap do_map,
-                                       const bf16* __restrict__ out, const float* __restrict__ lse,
-                                       bf16* __restrict__ dqkv, int T, int H, float scale) {
+                                       const __grid_constant__ CUtensorMap dqkv_map, const bf16* __restrict__ out,
+                                       const float* __restrict__ lse, bf16* __restrict__ dqkv, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = trace_row();
   constexpr int kTile = q_bytes(HD);
@@ -430,12 +429,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
     }
     // dV, then dK (times the scale), as bf16 through this warpgroup's own V tiles (WG 0 read them
-    // last for dP of the last query tile, before it filled that tile's slot).
+    // last for dP of the last query tile, before it filled that tile's slot), stored by TMA.
     const int key_wg_bar = kKeys + j;
-    bf16* dk_dst = dqkv + size_t(b) * T * ld + D + h * HD;
+    const bool issuer = threadIdx.x % 128 == 0;
 #pragma unroll
     for (int part = 0; part < 2; ++part) {  // dV, dK (unrolled: acc names registers, not local memory)
-      if (part == 1) bar_sync(key_wg_bar, 128);  // dV's vectors are read
+      if (part == 1) {  // dV's stores have read the tiles
+        if (issuer) bulk_wait_read();
+        bar_sync(key_wg_bar, 128);
+      }
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const float mult = part == 0 ? 1.0f : scale;
@@ -443,16 +445,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           stage_fragments<HD>(smem + (s_v - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
-      if (threadIdx.x % 128 == 0) trace(tr, kBwdStaged + 2 * part + j);
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const int c = 2 * j + t;
-        if (c < n)
-          copy_out<HD>(smem + (s_v - s_q) + c * kTile, dk_dst + (part == 0 ? D : 0) + size_t(c) * kQTile * ld, ld,
-                       min(T - c * kQTile, kQTile));
+      if (issuer) {
+        trace(tr, kBwdStaged + 2 * part + j);
+        for (int c = 2 * j; c < min(2 * j + 2, n); ++c)
+          tma_store(&dqkv_map, s_v + c * kTile, ((part == 0 ? 2 : 1) * H + h) * HD / 16, c * kQTile, b);
+        trace(tr, kBwdWritten + 2 * part + j);
       }
-      if (threadIdx.x % 128 == 0) trace(tr, kBwdWritten + 2 * part + j);
     }
+    if (issuer) bulk_wait_read();
     trace_end(tr);
   }
 }
@@ -483,7 +483,8 @@ __host__ __device__ constexpr int fwd_smem_bytes(int T, int hd) {
 template <int HD>
 __global__ void __launch_bounds__(kFwdThreads, 2)
     attention_forward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap narrow_map,
-                                      bf16* __restrict__ out, float* __restrict__ lse, int T, int H, float scale) {
+                                      const __grid_constant__ CUtensorMap out_map, float* __restrict__ lse, int T, int H,
+                                      float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = trace_row();
   constexpr int kTile = q_bytes(HD);
@@ -491,7 +492,6 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
   const uint32_t s_q = smem_addr(smem), s_k = s_q + n * kTile, s_v = s_k + rows_kv * HD * 2,
                  s_bar = s_v + rows_kv * HD * 2;
   const int h = blockIdx.x, b = blockIdx.y;
-  const int D = H * HD;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
   const int last_rows = last_width(T);  // rows of the last K and V tiles (16 or 64)
@@ -613,10 +613,13 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
     bar_sync(1 + wg, 128);  // every warp of the warpgroup is past its S products
     stage_fragments<HD>(smem + i * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
     bar_sync(1 + wg, 128);
-    if (threadIdx.x % 128 == 0) trace(tr, kFwdStaged + i);
-    copy_out<HD>(smem + i * kTile, out + (size_t(b) * T + i * kQTile) * D + h * HD, size_t(D), min(T - i * kQTile, kQTile));
-    if (threadIdx.x % 128 == 0) trace(tr, kFwdStored + i);
+    if (threadIdx.x % 128 == 0) {
+      trace(tr, kFwdStaged + i);
+      tma_store(&out_map, q_i, h * HD / 16, i * kQTile, b);
+      trace(tr, kFwdStored + i);
+    }
   }
+  if (threadIdx.x % 128 == 0) bulk_wait_read();  // the stores have read this warpgroup's tiles
   trace_end(tr);
 }
 
@@ -682,8 +685,8 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
     attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
-        tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile), tiles_map(dout, B, T, H * HD, HD, kQTile), out, lse, dqkv, T, H,
-        1.0f / std::sqrt(static_cast<float>(HD)));
+        tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile), tiles_map(dout, B, T, H * HD, HD, kQTile),
+        tiles_map(dqkv, B, T, 3 * H * HD, HD, kQTile), out, lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});
@@ -695,9 +698,7 @@ bool attention_forward_resident_fits(int T, int hd, int dev) {
 }
 
 bool attention_forward_resident_preferred(int T, int hd, int dev) {
-  const DeviceInfo info = device_info(dev);
-  return resident_fits(T, hd, fwd_smem_bytes(T, hd), info) && tiles(T) == 4 &&
-         2 * (fwd_smem_bytes(T, hd) + info.smem_reserved) <= info.smem_per_sm;
+  return tiles(T) >= 2 && attention_forward_resident_fits(T, hd, dev);
 }
 
 
@@ -709,8 +710,8 @@ void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, i
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
     attention_forward_resident_kernel<HD><<<dim3(H, B), kFwdThreads, fwd_smem_bytes(T, HD), stream>>>(
-        tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile), tiles_map(qkv, B, T, 3 * H * HD, HD, last_width(T)), out, lse, T, H,
-        1.0f / std::sqrt(static_cast<float>(HD)));
+        tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile), tiles_map(qkv, B, T, 3 * H * HD, HD, last_width(T)),
+        tiles_map(out, B, T, H * HD, HD, kQTile), lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});

@@ -10,10 +10,9 @@
 // Whether (T, hd) runs on these kernels on device dev (sm_90a, enough shared memory).
 bool attention_resident_fits(int T, int hd, int dev);
 bool attention_forward_resident_fits(int T, int hd, int dev);
-// Whether it is the faster forward there, as measured (BENCHMARKS.md 25): four 64-query tiles (its
-// two warpgroups take them in turns; three leave one idle at the end, and at two tiles the streamed
-// kernel is faster) and room for two CTAs an SM (one loads while the other computes): ViT's 197
-// tokens at hd 64 or 80.
+// Whether it is the faster forward there, as measured (BENCHMARKS.md 27): from two 64-query tiles
+// on (65-256 tokens: 13-24% faster at 65, 128, 145, 197 and 236), not at one (at 50 tokens, hd
+// 64, 0.019 ms against the streamed kernel's 0.016).
 bool attention_forward_resident_preferred(int T, int hd, int dev);
 
 void attention_forward_resident(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse, int B, int T, int H, int hd,

@@ -16,7 +16,7 @@ enum Slot : int {
   kFwdChunk = 8,      // + 4 i + c: query tile i, key chunk c's O += P V issued
   kFwdComplete = 28,  // + i: query tile i's O complete in registers
   kFwdStaged = 32,    // + i: its O / l staged in shared memory
-  kFwdStored = 24,    // + i: its O written
+  kFwdStored = 24,    // + i: its O's TMA store issued
   // backward
   kBwdIssueBegins = 47, kBwdIssued = 46,  // thread 128's TMA issue
   kBwdLanded = 8,       // + c: warpgroup 0 finds tile c landed
@@ -26,7 +26,7 @@ enum Slot : int {
   kBwdDqStored = 28,    // + i: dQ_i written
   kBwdProducts = 32,    // + 4 j + i: key warpgroup j + 1 done with query tile i's products
   kBwdStaged = 52,      // + 2 part + j: key warpgroup j + 1 has staged dV (part 0) or dK (part 1)
-  kBwdWritten = 56,     // + 2 part + j: and written it
+  kBwdWritten = 56,     // + 2 part + j: and issued its TMA stores
 };
 // Where the stamping kernels write (nullptr: they do not): B H rows of kSlots words, row
 // blockIdx.y * gridDim.x + blockIdx.x. Only in the traced build.

@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
       for (int c = 0; c < 4; ++c) fwd.push_back({kFwdChunk + 4 * i + c, "q tile " + str(i) + ": chunk " + str(c) + " issued"});
       fwd.push_back({kFwdComplete + i, "q tile " + str(i) + ": O complete"});
       fwd.push_back({kFwdStaged + i, "q tile " + str(i) + ": O staged"});
-      fwd.push_back({kFwdStored + i, "q tile " + str(i) + ": O written"});
+      fwd.push_back({kFwdStored + i, "q tile " + str(i) + ": O store issued"});
     }
     trace("forward (resident)", fwd, ctas, buf,
           [&] { attention_forward(qkv, out, lse, B, T, H, hd, 0, AttentionForward::Resident); });
@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
       for (int part = 0; part < 2; ++part) {
         const std::string what = "WG" + str(j + 1) + (part ? " dK" : " dV");
         bwd.push_back({kBwdStaged + 2 * part + j, what + " staged"});
-        bwd.push_back({kBwdWritten + 2 * part + j, what + " written"});
+        bwd.push_back({kBwdWritten + 2 * part + j, what + " stores issued"});
       }
     trace("backward (resident)", bwd, ctas, buf,
           [&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0, AttentionBackward::Resident); });
