@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // kv_rows leaves it):
 //   S = Q_i K_c^T (A, B K-major in shared memory), P = exp(S scale - m) in registers, packed to
 //   bf16 as the A operand of O += P V_c (V MN-major as B), which runs while the next chunk's S
-//   is issued. O / l goes out through the tile's Q buffer in whole 16-byte vectors.
+//   is issued. O / l goes out through the tile's Q buffer by a TMA store.
 // 128 registers a thread and, at T <= 208 and hd 80, under half the shared memory: two CTAs an
 // SM, so that one loads while the other computes.
 constexpr int kFwdThreads = 256;
@@ -609,7 +609,7 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
       if (r_lo < T) lse_bh[r_lo] = m_lo * scale + logf(l_lo);
       if (r_hi < T) lse_bh[r_hi] = m_hi * scale + logf(l_hi);
     }
-    // O / l as bf16 through this warpgroup's Q_i tile (its last reader, S, has completed).
+    // O / l as bf16 through this warpgroup's Q_i tile (its last reader, S, has completed), stored by TMA.
     bar_sync(1 + wg, 128);  // every warp of the warpgroup is past its S products
     stage_fragments<HD>(smem + i * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
     bar_sync(1 + wg, 128);
