@@ -16,8 +16,7 @@
 
 #include "engine/check.h"
 #include "kernels/attention.h"
-#include "kernels/elementwise.h"
-#include "kernels/random.h"
+#include "tools/attention_operands.h"
 #include "tools/event_timing.h"
 
 int main(int argc, char** argv) {
@@ -35,7 +34,7 @@ int main(int argc, char** argv) {
     std::printf("%-22s %10s %10s %10s %12s %12s\n", "B H T hd", "fwd ms", "bwd ms", "both ms", "fwd TFLOP/s",
                 "both TFLOP/s");
     for (const auto& s : shapes) {
-      const int B = s[0], H = s[1], T = s[2], hd = s[3], D = H * hd;
+      const int B = s[0], H = s[1], T = s[2], hd = s[3];
       if (B <= 0 || H <= 0 || T <= 0 || hd <= 0) {
         std::fprintf(stderr, "attention_rate: shapes must be positive\n");
         return 2;
@@ -45,20 +44,9 @@ int main(int argc, char** argv) {
         std::printf("%d %d %d %d: not supported (%s)\n", B, H, T, hd, why.c_str());
         continue;
       }
-      const size_t rows = size_t(B) * T;
-      float* tmp;
-      __nv_bfloat16 *qkv, *out, *dout, *dqkv;
-      float *lse, *delta;
-      CUDA_CHECK(cudaMalloc(&tmp, rows * 3 * D * sizeof(float)));
-      CUDA_CHECK(cudaMalloc(&qkv, rows * 3 * D * 2));
-      CUDA_CHECK(cudaMalloc(&dqkv, rows * 3 * D * 2));
-      CUDA_CHECK(cudaMalloc(&out, rows * D * 2));
-      CUDA_CHECK(cudaMalloc(&dout, rows * D * 2));
-      CUDA_CHECK(cudaMalloc(&lse, size_t(B) * H * T * 4));
-      CUDA_CHECK(cudaMalloc(&delta, size_t(B) * H * T * 4));
-      fill_normal(tmp, rows * 3 * D, 1, 1, 0, 1, -1e30f, 1e30f, 0);
-      cast_to_bf16(tmp, qkv, rows * 3 * D, 0);
-      cast_to_bf16(tmp, dout, rows * D, 0);
+      const AttentionOperands ops(B, T, H, hd);
+      __nv_bfloat16 *qkv = ops.qkv, *out = ops.out, *dout = ops.dout, *dqkv = ops.dqkv;
+      float *lse = ops.lse, *delta = ops.delta;
       auto fwd = [&] { attention_forward(qkv, out, lse, B, T, H, hd, 0); };
       auto bwd = [&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0); };
       fwd();
@@ -88,9 +76,6 @@ int main(int argc, char** argv) {
           std::printf("%-22s %10.3f %10s %10s   (%s forward)\n", name, ms, "", "", label);
           std::printf("RESULT attention_fwd_%s shape=%d,%d,%d,%d fwd_ms=%.4f\n", label, B, H, T, hd, ms);
         }
-      for (void* p : {static_cast<void*>(tmp), static_cast<void*>(qkv), static_cast<void*>(dqkv), static_cast<void*>(out),
-                      static_cast<void*>(dout), static_cast<void*>(lse), static_cast<void*>(delta)})
-        CUDA_CHECK(cudaFree(p));
     }
     return 0;
   } catch (const std::exception& e) {

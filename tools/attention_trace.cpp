@@ -18,8 +18,7 @@
 #include "engine/check.h"
 #include "kernels/attention.h"
 #include "kernels/attention_trace.h"
-#include "kernels/elementwise.h"
-#include "kernels/random.h"
+#include "tools/attention_operands.h"
 
 namespace {
 using namespace attention_trace;
@@ -100,23 +99,12 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "attention_trace: T %d, hd %d is not the resident kernels' shape\n", T, hd);
       return 2;
     }
-    const int D = H * hd, ctas = B * H;
-    const size_t rows = size_t(B) * T;
-    float* tmp;
-    __nv_bfloat16 *qkv, *out, *dout, *dqkv;
-    float *lse, *delta;
+    const int ctas = B * H;
+    const AttentionOperands ops(B, T, H, hd);
+    __nv_bfloat16 *qkv = ops.qkv, *out = ops.out, *dout = ops.dout, *dqkv = ops.dqkv;
+    float *lse = ops.lse, *delta = ops.delta;
     unsigned long long* buf;
-    CUDA_CHECK(cudaMalloc(&tmp, rows * 3 * D * sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&qkv, rows * 3 * D * 2));
-    CUDA_CHECK(cudaMalloc(&dqkv, rows * 3 * D * 2));
-    CUDA_CHECK(cudaMalloc(&out, rows * D * 2));
-    CUDA_CHECK(cudaMalloc(&dout, rows * D * 2));
-    CUDA_CHECK(cudaMalloc(&lse, size_t(B) * H * T * 4));
-    CUDA_CHECK(cudaMalloc(&delta, size_t(B) * H * T * 4));
     CUDA_CHECK(cudaMalloc(&buf, size_t(ctas) * kSlots * 8));
-    fill_normal(tmp, rows * 3 * D, 1, 1, 0, 1, -1e30f, 1e30f, 0);
-    cast_to_bf16(tmp, qkv, rows * 3 * D, 0);
-    cast_to_bf16(tmp, dout, rows * D, 0);
     std::printf("attention_trace %d %d %d %d\n", B, H, T, hd);
 
     const auto str = [](int k) { return std::to_string(k); };
@@ -151,6 +139,7 @@ int main(int argc, char** argv) {
       }
     trace("backward (resident)", bwd, ctas, buf,
           [&] { attention_backward(qkv, out, dout, lse, delta, dqkv, B, T, H, hd, 0, AttentionBackward::Resident); });
+    CUDA_CHECK(cudaFree(buf));
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "attention_trace: error: %s\n", e.what());
