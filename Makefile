@@ -1,4 +1,5 @@
-# vit_train and its tests. `make` builds vit_train (and gemm_rate); `make test` builds and runs
+# vit_train and its tests. `make` builds vit_train and the rate tools (gemm_rate, loader_rate,
+# attention_rate, attention_trace); `make test` builds and runs
 # vit_tests: the CPU tier everywhere, the GPU tier where a GPU is present. The kernels are
 # written for Hopper (sm_90a); ARCH can be overridden on the command line.
 CUDA    ?= /usr/local/cuda
