@@ -75,6 +75,14 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t smem_addr, uint32_t lbo,
   return uint64_t((smem_addr & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) |
          (uint64_t((sbo & 0x3FFFF) >> 4) << 32);
 }
+// The same with the 32-byte swizzle (layout type 3): 8-row groups of 32-byte rows, the two 16-byte
+// halves of a row swapped in the group's rows 4-7 (address bit 4 ^= bit 7); start addresses on
+// 256-byte boundaries. K-major: K = the 16 elements of a row (lbo unused), sbo = between 8-row
+// groups. MN-major: 16 M/N elements a row, 8 K rows a group; lbo = between groups along M/N, sbo =
+// along K.
+__device__ __forceinline__ uint64_t descriptor_sw32(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+  return descriptor(smem_addr, lbo, sbo) | (uint64_t(3) << 62);
+}
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory"); }
