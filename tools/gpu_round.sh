@@ -78,7 +78,8 @@ print('timm loaded the checkpoint strictly:', sum(p.numel() for p in m.parameter
       run ref_ckpt python3 tools/timm_reference.py /tmp/ref_ckpt ;;
     attention)  # the fused attention alone next to PyTorch's SDPA backends (issue 7's yardstick)
       run attention_rate ./attention_rate
-      run attention_bench python3 tools/attention_bench.py ;;
+      run attention_bench python3 tools/attention_bench.py
+      run attention_table python3 tools/attention_table.py "$OUT/attention_rate.log" "$OUT/attention_bench.log" ;;
     ref_timm_init)  # a model timm itself initialised and saved, loaded with --init-from: timm's logits
       rm -rf /tmp/timm_init /tmp/ref_timm_init
       mkdir -p /tmp/timm_init
