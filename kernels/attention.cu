@@ -101,6 +101,15 @@ struct Tuning {
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers.
 
+// 16-byte global -> shared copy that bypasses L1; with valid == false nothing is read and the 16
+// destination bytes are zero-filled (source size 0). src must still be a valid address.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst),
                "l"(__cvta_generic_to_global(src))

@@ -18,15 +18,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte global -> shared copy that bypasses L1; with valid == false nothing is read and the 16
-// destination bytes are zero-filled (source size 0). src must still be a valid address.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-               "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
-               : "memory");
-}
-
 // bf16x2 of (lo, hi), round to nearest: lo in the lower half (the lower index in memory and in
 // fragments).
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -62,7 +53,6 @@ void prepare_kernel(int dev, int smem_bytes) {
 
 struct DeviceInfo {
   int major = 0, minor = 0, smem_optin = 0;
-  int smem_per_sm = 0, smem_reserved = 0;  // an SM's shared memory, and what the system takes of it per block
 };
 
 // Per-device properties, queried once per device (cudaDeviceGetAttribute, never the slow
@@ -77,8 +67,6 @@ DeviceInfo device_info(int dev) {
   CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, dev));
   CUDA_CHECK(
       cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
   if (dev >= static_cast<int>(cache.size())) cache.resize(dev + 1);
   cache[dev] = {true, info};
   return info;

@@ -709,8 +709,9 @@ void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, i
   const auto launch = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
+    const CUtensorMap qkv_tiles = tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile);
     attention_forward_resident_kernel<HD><<<dim3(H, B), kFwdThreads, fwd_smem_bytes(T, HD), stream>>>(
-        tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile), tiles_map(qkv, B, T, 3 * H * HD, HD, last_width(T)),
+        qkv_tiles, last_width(T) < kQTile ? tiles_map(qkv, B, T, 3 * H * HD, HD, last_width(T)) : qkv_tiles,
         tiles_map(out, B, T, H * HD, HD, kQTile), lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
