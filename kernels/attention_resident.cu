@@ -315,10 +315,77 @@ __global__ void __launch_bounds__(kThreads, 1)
         bar_arrive(kFull + c, 256);
         if (threadIdx.x == 0) trace(tr, kBwdSlotFull + 4 * i + c);
       };
-      for (int c = 0; c + 1 < n; ++c) key_tile(c, std::integral_constant<int, 64>{});
-      if (last_k16 > 2) key_tile(n - 1, std::integral_constant<int, 64>{});
-      else if (last_k16 == 2) key_tile(n - 1, std::integral_constant<int, 32>{});
-      else key_tile(n - 1, std::integral_constant<int, 16>{});
+      // The last query tile when 16 of its rows or fewer are real (ViT's 197 tokens: 5 of 64),
+      // transposed: S^T = K_c Q_i^T and dP^T = V_c dO_i^T over its first 16 queries (m64n16, 8
+      // floats a thread a key tile), every key tile in one pass, instead of N passes of 64 x 64 of
+      // which 16 rows or fewer are real. P^T and dS^T go to the slots' first 16 queries: all that
+      // the key warpgroups (one k16 step) and dQ (rows past T are not stored) read.
+      const auto few_rows = [&](auto tiles_c) {
+        constexpr int N = decltype(tiles_c)::value;  // n
+        for (int c = 0; c < N; ++c) mbar_wait(s_bar + 8 * c, 0);  // only waits at n = 1
+        wgmma::fence_proxy_async();
+        float st[N][8], dpt[N][8];  // (key 16 warp + g + 8h, query 8j + 2q + e) at [4j + 2h + e]
+        wgmma::fence();
+#pragma unroll
+        for (int c = 0; c < N; ++c)
+#pragma unroll
+          for (int kk = 0; kk < HD / 16; ++kk)
+            wgmma::Mma<16>::ss(st[c], kmajor_desc(s_k + c * kTile, kQTile, kk), kmajor_desc(q_i, kQTile, kk), kk > 0);
+        wgmma::commit();
+#pragma unroll
+        for (int c = 0; c < N; ++c)
+#pragma unroll
+          for (int kk = 0; kk < HD / 16; ++kk)
+            wgmma::Mma<16>::ss(dpt[c], kmajor_desc(s_v + c * kTile, kQTile, kk), kmajor_desc(do_i, kQTile, kk), kk > 0);
+        wgmma::commit();
+        bar_sync(kDelta + i, 256);  // WG 2 has written tile i's delta
+        float lq[4], dq4[4];        // lse (times log2 e) and delta of queries 8j + 2q + e, at [2j + e]
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          lq[x] = stats[i * 128 + 8 * (x / 2) + 2 * q + x % 2] * kLog2e;
+          dq4[x] = stats[i * 128 + 64 + 8 * (x / 2) + 2 * q + x % 2];
+        }
+        wgmma::wait<1>();  // S^T: P^T while dP^T is in flight; 0 for keys at or past T
+#pragma unroll
+        for (int c = 0; c < N; ++c)
+#pragma unroll
+          for (int x = 0; x < 8; ++x) {
+            const int key = c * kQTile + warp * 16 + g + 8 * ((x >> 1) & 1);
+            st[c][x] = key < T ? exp2_approx(fmaf(st[c][x], scale_log2, -lq[2 * (x >> 2) + (x & 1)])) : 0.0f;
+          }
+        wgmma::wait<0>();
+        if (i > 0)
+          for (int c = 0; c < N; ++c) bar_sync(kEmpty + c, 256);  // the owners are done with tile i - 1's slots
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+#pragma unroll
+          for (int x = 0; x < 8; ++x) {  // (query r, key k) at slot_offset(r, k)
+            const int jq = x >> 2, h8 = (x >> 1) & 1, e = x & 1;
+            const uint32_t at = s_slot + c * kSlotBytes + jq * 1024 + (2 * warp + h8) * 128 + (2 * q + e) * 16 + g * 2;
+            const float p = st[c][x];
+            asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(at), "h"(__bfloat16_as_ushort(__float2bfloat16_rn(p))) : "memory");
+            asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(at + 8192),
+                         "h"(__bfloat16_as_ushort(__float2bfloat16_rn(p * (dpt[c][x] - dq4[2 * jq + e]))))
+                         : "memory");
+          }
+        }
+        wgmma::fence_proxy_async();
+        for (int c = 0; c < N; ++c) {
+          bar_arrive(kFull + c, 256);
+          if (threadIdx.x == 0) trace(tr, kBwdSlotFull + 4 * i + c);
+        }
+      };
+      if (i + 1 == n && last_k16 == 1) {
+        if (n == 1) few_rows(std::integral_constant<int, 1>{});
+        else if (n == 2) few_rows(std::integral_constant<int, 2>{});
+        else if (n == 3) few_rows(std::integral_constant<int, 3>{});
+        else few_rows(std::integral_constant<int, 4>{});
+      } else {
+        for (int c = 0; c + 1 < n; ++c) key_tile(c, std::integral_constant<int, 64>{});
+        if (last_k16 > 2) key_tile(n - 1, std::integral_constant<int, 64>{});
+        else if (last_k16 == 2) key_tile(n - 1, std::integral_constant<int, 32>{});
+        else key_tile(n - 1, std::integral_constant<int, 16>{});
+      }
       // dQ_i = dS_i K over the n slots (K-major dS as A, K MN-major as B).
       bar_sync(kRows, 128);  // every thread of WG 0 has stored (and fenced) its part of the slots
       float dq[HD / 2];
