@@ -55,6 +55,10 @@ $(TRACED_OBJ): kernels/attention_resident.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -DATTENTION_TRACE -c $< -o $@
 
+# The TMA unit's rate at the resident attention kernels' tiles, by box geometry.
+tma_rate: $(BUILD)/tools/tma_rate.o $(BUILD)/engine/check.o
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
 # cuBLASLt's rate at one ViT block's GEMM shapes, through the engine's GEMM entry point.
 gemm_rate: $(LIB_OBJ) $(BUILD)/tools/gemm_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
@@ -91,6 +95,6 @@ profile: vit_train
 	  ./vit_train --steps 15 --profile-steps 10:14
 
 clean:
-	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate attention_trace
+	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate attention_trace tma_rate
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -548,7 +548,7 @@ __host__ __device__ constexpr int fwd_smem_bytes(int T, int hd) {
 }
 
 template <int HD>
-__global__ void __launch_bounds__(kFwdThreads, 2)
+__global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O alone is 64 registers
     attention_forward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap narrow_map,
                                       const __grid_constant__ CUtensorMap out_map, float* __restrict__ lse, int T, int H,
                                       float scale) {
@@ -693,11 +693,10 @@ __global__ void __launch_bounds__(kFwdThreads, 2)
 }  // namespace
 
 namespace {
-// Both kernels' shapes (T <= 256, hd 64 or 80) on sm_90a (wgmma, setmaxnreg), with smem bytes of
-// shared memory a block.
-bool resident_fits(int T, int hd, int smem, const DeviceInfo& info) {
-  return T >= 1 && T <= 4 * kQTile && (hd == 64 || hd == 80) && info.major == 9 && info.minor == 0 &&
-         smem <= info.smem_optin;
+// T <= 256 on sm_90a (wgmma, setmaxnreg), with smem bytes of shared memory a block: both kernels'
+// bounds, besides their head dims.
+bool resident_fits(int T, int smem, const DeviceInfo& info) {
+  return T >= 1 && T <= 4 * kQTile && info.major == 9 && info.minor == 0 && smem <= info.smem_optin;
 }
 
 // The driver's tensor-map encoder, through the runtime's entry-point query.
@@ -740,7 +739,7 @@ void attention_trace::set_buffer(unsigned long long* buffer) {
 #endif
 
 bool attention_resident_fits(int T, int hd, int dev) {
-  return resident_fits(T, hd, smem_bytes(tiles(T), hd), device_info(dev));
+  return (hd == 64 || hd == 80) && resident_fits(T, smem_bytes(tiles(T), hd), device_info(dev));
 }
 
 void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse, bf16* dqkv,
@@ -761,18 +760,20 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
 }
 
 bool attention_forward_resident_fits(int T, int hd, int dev) {
-  return resident_fits(T, hd, fwd_smem_bytes(T, hd), device_info(dev));
+  return (hd == 64 || hd == 80 || hd == 128) && resident_fits(T, fwd_smem_bytes(T, hd), device_info(dev));
 }
 
 bool attention_forward_resident_preferred(int T, int hd, int dev) {
-  return tiles(T) >= 2 && attention_forward_resident_fits(T, hd, dev);
+  // Faster from two tiles at hd 64 and 80; at hd 128 (one CTA an SM) from three: at two tiles the
+  // streamed forward ties (65 tokens) or wins (128) (BENCHMARKS.md 28)
+  return tiles(T) >= (hd == 128 ? 3 : 2) && attention_forward_resident_fits(T, hd, dev);
 }
 
 
 void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, int T, int H, int hd, int dev,
                                 cudaStream_t stream) {
   ENSURE(attention_forward_resident_fits(T, hd, dev), "attention_forward_resident: T " + std::to_string(T) + ", hd " +
-                                                          std::to_string(hd) + " is not its shape (T <= 256, hd 64 or 80, sm_90a)");
+                                                          std::to_string(hd) + " is not its shape (T <= 256, hd 64, 80 or 128, sm_90a)");
   const auto launch = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
@@ -783,5 +784,6 @@ void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, i
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});
-  else launch(std::integral_constant<int, 80>{});
+  else if (hd == 80) launch(std::integral_constant<int, 80>{});
+  else launch(std::integral_constant<int, 128>{});
 }

@@ -412,7 +412,10 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
                   // (two tiles: WG 2 owns none), 193 (a fourth tile of one row), 236 (a fourth
                   // of 44 rows: three k16 steps; the shapes above have one, two and four)
                   Shape{1, 256, 1, 80}, Shape{3, 130, 2, 64}, Shape{1, 128, 2, 64}, Shape{2, 193, 1, 64},
-                  Shape{1, 236, 2, 80}}) {
+                  Shape{1, 236, 2, 80},
+                  // the resident forward at hd 128 (one CTA an SM): four tiles with a narrow last
+                  // one, four whole ones (the streamed backward)
+                  Shape{2, 197, 1, 128}, Shape{1, 256, 2, 128}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {
@@ -431,7 +434,7 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
     DeviceBuffer<float> lse(rows * s.H), delta(rows * s.H);
     // Every forward that applies, poisoned outputs each; the backward then runs on Auto's.
     const bool resident_fwd = attention_forward_resident_supported(s.T, s.hd);
-    CHECK(resident_fwd == (s.T <= 256 && (s.hd == 64 || s.hd == 80)));
+    CHECK(resident_fwd == (s.T <= 256 && (s.hd == 64 || s.hd == 80 || s.hd == 128)));
     std::vector<AttentionForward> forwards = {AttentionForward::Streamed};
     if (resident_fwd) forwards.push_back(AttentionForward::Resident);
     forwards.push_back(AttentionForward::Auto);

@@ -8,7 +8,7 @@ these by hand). Run from the repository root: python3 tools/gen_wgmma.py > kerne
 
 SHAPES = (16, 32, 64, 80)  # N: 64 keys (S, dP; 16 or 32 in a last, partial key tile), the head dims (dQ, dK, dV)
 
-RS_SHAPES = (64, 80)  # O += P V in the forward: N = the head dim
+RS_SHAPES = (64, 80, 128)  # O += P V in the forward: N = the head dim
 
 # name, transpose A, transpose B, comment
 VARIANTS = (
@@ -99,10 +99,11 @@ __device__ __forceinline__ void fence_proxy_async() {
 template <int N>
 struct Mma;
 """)
-    for n in SHAPES:
+    for n in sorted(set(SHAPES) | set(RS_SHAPES)):
         print(f"template <>\nstruct Mma<{n}> {{")
-        for name, tnsp_a, tnsp_b, comment in VARIANTS:
-            print(wrapper(n, name, tnsp_a, tnsp_b, comment), end="")
+        if n in SHAPES:
+            for name, tnsp_a, tnsp_b, comment in VARIANTS:
+                print(wrapper(n, name, tnsp_a, tnsp_b, comment), end="")
         if n in RS_SHAPES:
             print(wrapper_rs(n), end="")
         print("};\n")
