@@ -1,7 +1,8 @@
 // The attention backward (and, further down, the forward) for short sequences on Hopper's
 // warpgroup MMAs (wgmma, sm_90a), every operand resident in shared memory: one CTA per (image,
-// head), T <= 256, hd 64 or 80. Backward: Q, K, V and dO are loaded once (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed once:
-// the streamed kernels (attention.cu) read the other side 4 times over and compute both twice.
+// head), T <= 256, hd 64 or 80 (the forward also 128). Backward: Q, K, V and dO are loaded once
+// (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed once: the streamed kernels
+// (attention.cu) read the other side 4 times over and compute both twice.
 // Three warpgroups:
 //   WG 0 (rows): per query tile i and key tile c: S = Q_i K_c^T, dP = dO_i V_c^T, P, and
 //     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots.
@@ -14,16 +15,20 @@
 // tokens 5 of its 64 rows are real): S and dP 16 or 32 keys wide instead of 64, and dK and dV
 // contract over that many of its queries. dQ contracts over all 64 of its keys, the slot's
 // unwritten columns zeroed at the start (a guard on dQ's last steps makes ptxas serialize the
-// wgmmas).
+// wgmmas). As a query tile, one of 16 real rows or fewer is computed transposed (S^T = K Q^T over
+// its first 16 queries, every key tile in one pass: few_rows).
 // Hand-overs: the loads land on one mbarrier per tile (TMA bytes, lse by cp.async); slot c goes
 // from WG 0 to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta
 // through DELTA_t.
 // Shared-memory layouts:
-//   Q, dO, K, V tiles [rows][hd], 32-byte swizzle (tile_offset): hd / 16 chunks of 16 columns,
-//     rows 32 bytes apart in a chunk. TMA writes them so, a partial last tile too (the maps end at
-//     T: zeros past it), and no warp copies anything; descriptor_sw32 reads them K-major (as A or B
-//     over hd: k16 step kk is chunk kk) or MN-major (as B with K = the rows: dO, Q for dV, dK; K
-//     for dQ; V in the forward: LBO the chunk stride, SBO 256, k16 step j at + 512 j).
+//   The backward's Q, dO, K, V tiles, 64 rows: columns 0-63 in the 128-byte swizzle (128-byte
+//     rows, 8 KB), at hd 80 columns 64-79 after them in the 32-byte swizzle (wide_offset). TMA
+//     writes them so (the maps end at T: zeros past it), and no warp copies anything;
+//     wide_kdesc reads a tile K-major (as A or B over hd), wide_mma MN-major (as B with K = the
+//     rows: dO, Q for dV, dK; K for dQ), at hd 80 as two MMAs 64 and 16 columns wide.
+//   The forward's tiles [rows][hd] in the 32-byte swizzle (tile_offset): hd / 16 chunks of 16
+//     columns, rows 32 bytes apart in a chunk; descriptor_sw32 reads them K-major (k16 step kk is
+//     chunk kk) or MN-major (V: LBO the chunk stride, SBO 256, k16 step j at + 512 j).
 //   Slot, 64 queries x 64 keys (P, then dS; written by the threads, no swizzle): vector k (keys
 //     8k..8k+7) of query r at (r/8) * 1024 + k*128 + (r%8)*16: K-major for dS as A of dQ (LBO 128,
 //     SBO 1024), MN-major for P^T and dS^T as A of dV and dK (M = keys; LBO 1024 along the
@@ -72,6 +77,36 @@ __device__ __forceinline__ uint64_t desc_step(uint64_t desc, uint32_t bytes) {
   return out;
 }
 
+// The backward's operand tiles (64 rows) in the 128-byte swizzle: columns 0-63 as 128-byte rows
+// (8 KB; TMA writes them with SWIZZLE_128B), at hd 80 columns 64-79 after them as 32-byte rows
+// (2 KB, SWIZZLE_32B). TMA moves 128-byte rows 1.5-2.4x as fast as the forward's 32-byte ones
+// (tools/tma_rate.cu; BENCHMARKS.md 28).
+constexpr int kWideBytes = kQTile * 128;  // the 64-column part
+// Byte of 16-byte vector c (columns 8c .. 8c + 7) of row r. A warp's 8-row strips of one vector
+// fall in 8 different bank quads.
+__device__ __forceinline__ uint32_t wide_offset(int r, int c) {
+  return c < 8 ? uint32_t(r * 128 + ((c ^ (r & 7)) << 4))
+               : uint32_t(kWideBytes + r * 32 + ((((c - 8) & 1) ^ ((r >> 2) & 1)) << 4));
+}
+// The tile as a K-major operand (K = its columns): k16 step kk.
+__device__ __forceinline__ uint64_t wide_kdesc(uint32_t tile, int kk) {
+  return kk < 4 ? wgmma::descriptor_sw128(tile + kk * 32, 16, 1024) : wgmma::descriptor_sw32(tile + kWideBytes, 16, 256);
+}
+// acc (+)= A B over k16 step j of the tile's rows, B the tile as an MN-major operand (K = its
+// rows, N = its HD columns): at hd 80 two MMAs, 64 and 16 columns wide (one descriptor cannot
+// span two swizzles) into acc's first 32 and last 8 floats. A K-major (kTransA false) or MN-major.
+template <int HD, bool kTransA>
+__device__ __forceinline__ void wide_mma(float (&acc)[HD / 2], uint64_t a, uint32_t tile, int j, int accumulate) {
+  const uint64_t b64 = desc_step(wgmma::descriptor_sw128(tile, kWideBytes, 1024), j * 2048);
+  if constexpr (kTransA) wgmma::Mma<64>::ss_tt(acc, a, b64, accumulate);
+  else wgmma::Mma<64>::ss_bt(acc, a, b64, accumulate);
+  if constexpr (HD == 80) {
+    const uint64_t b16 = desc_step(wgmma::descriptor_sw32(tile + kWideBytes, 2048, 256), j * 512);
+    if constexpr (kTransA) wgmma::Mma<16>::ss_tt<32>(acc, a, b16, accumulate);
+    else wgmma::Mma<16>::ss_bt<32>(acc, a, b16, accumulate);
+  }
+}
+
 constexpr int kThreads = 384, kLseLoaders = kQTile;
 constexpr int kSlotBytes = 2 * 64 * 64 * 2;  // P, then dS
 // setmaxnreg moves registers within the CTA's own pool (SASS: CTAPOOL), 168 a thread at launch
@@ -106,6 +141,13 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(row0), "r"(chunk), "r"(b), "r"(bar)
       : "memory");
 }
+// A box of a wide_map (columns from col, 64 rows from row0, of image b) into dst, counted on bar.
+__device__ __forceinline__ void tma_load_wide(uint32_t dst, const CUtensorMap* map, int col, int row0, int b, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row0), "r"(b), "r"(bar)
+      : "memory");
+}
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
   uint32_t done = 0;
   while (!done)
@@ -124,18 +166,19 @@ __device__ __forceinline__ void regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 // A warpgroup's 64 x HD fp32 accumulator (rows g and g + 8 of warp w's 16 scaled by mult_lo and
-// mult_hi) as bf16 into a 64-row tile in shared memory (tile_offset's layout, conflict-free), made
-// visible to the async proxy: after a barrier, tma_store writes it out (from the fragments
-// directly each 32-byte sector would be written half, and the warps' own copies were slow).
-template <int HD>
+// mult_hi) as bf16 into a 64-row tile in shared memory (wide_offset's layout if kWide, else
+// tile_offset's; both conflict-free), made visible to the async proxy: after a barrier, a TMA
+// store writes it out (from the fragments directly each 32-byte sector would be written half, and
+// the warps' own copies were slow).
+template <int HD, bool kWide>
 __device__ __forceinline__ void stage_fragments(unsigned char* tile, const float (&acc)[HD / 2], float mult_lo,
                                                 float mult_hi, int warp, int g, int q) {
   const int row = warp * 16 + g;
 #pragma unroll
   for (int m = 0; m < HD / 8; ++m) {
-    *reinterpret_cast<uint32_t*>(tile + tile_offset(kQTile, row, m) + 4 * q) =
+    *reinterpret_cast<uint32_t*>(tile + (kWide ? wide_offset(row, m) : tile_offset(kQTile, row, m)) + 4 * q) =
         pack_bf16x2(acc[4 * m] * mult_lo, acc[4 * m + 1] * mult_lo);
-    *reinterpret_cast<uint32_t*>(tile + tile_offset(kQTile, row + 8, m) + 4 * q) =
+    *reinterpret_cast<uint32_t*>(tile + (kWide ? wide_offset(row + 8, m) : tile_offset(kQTile, row + 8, m)) + 4 * q) =
         pack_bf16x2(acc[4 * m + 2] * mult_hi, acc[4 * m + 3] * mult_hi);
   }
   wgmma::fence_proxy_async();
@@ -149,6 +192,14 @@ __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, 
           reinterpret_cast<uint64_t>(map)),
       "r"(0), "r"(row0), "r"(chunk), "r"(b), "r"(src)
       : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// The same for a wide_map: a 64-row tile's part, columns from col.
+__device__ __forceinline__ void tma_store_wide(const CUtensorMap* map, uint32_t src, int col, int row0, int b) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(col), "r"(row0), "r"(b), "r"(src)
+               : "memory");
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
@@ -196,7 +247,9 @@ __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (que
 template <int HD>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap do_map,
-                                       const __grid_constant__ CUtensorMap dqkv_map, const bf16* __restrict__ out,
+                                       const __grid_constant__ CUtensorMap dqkv_map, const __grid_constant__ CUtensorMap qkv_tail,
+                                       const __grid_constant__ CUtensorMap do_tail, const __grid_constant__ CUtensorMap dqkv_tail,
+                                       const bf16* __restrict__ out,
                                        const float* __restrict__ lse, bf16* __restrict__ dqkv, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = trace_row();
@@ -233,8 +286,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t bar = s_bar + 8 * t;
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(4 * kTile) : "memory");
       for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
-        const int chunk = ((which < 2 ? 0 : (which - 1) * H) + h) * HD / 16;
-        tma_load(s_q + which * n * kTile + t * kTile, which == 1 ? &do_map : &qkv_map, chunk, t * kQTile, b, bar);
+        const int col = ((which < 2 ? 0 : (which - 1) * H) + h) * HD;
+        const uint32_t dst = s_q + which * n * kTile + t * kTile;
+        tma_load_wide(dst, which == 1 ? &do_map : &qkv_map, col, t * kQTile, b, bar);
+        if (HD > 64) tma_load_wide(dst + kWideBytes, which == 1 ? &do_tail : &qkv_tail, col + 64, t * kQTile, b, bar);
       }
     }
     trace(tr, kBwdIssued);
@@ -271,11 +326,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma::fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma::Mma<W>::ss(sc, kmajor_desc(q_i, kQTile, kk), kmajor_desc(s_k + c * kTile, kQTile, kk), kk > 0);
+          wgmma::Mma<W>::ss(sc, wide_kdesc(q_i, kk), wide_kdesc(s_k + c * kTile, kk), kk > 0);
         wgmma::commit();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma::Mma<W>::ss(dp, kmajor_desc(do_i, kQTile, kk), kmajor_desc(s_v + c * kTile, kQTile, kk), kk > 0);
+          wgmma::Mma<W>::ss(dp, wide_kdesc(do_i, kk), wide_kdesc(s_v + c * kTile, kk), kk > 0);
         wgmma::commit();
         wgmma::wait<1>();  // S: P = exp(S scale - lse) while dP is in flight; 0 for keys at or past T
 #pragma unroll
@@ -330,13 +385,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < N; ++c)
 #pragma unroll
           for (int kk = 0; kk < HD / 16; ++kk)
-            wgmma::Mma<16>::ss(st[c], kmajor_desc(s_k + c * kTile, kQTile, kk), kmajor_desc(q_i, kQTile, kk), kk > 0);
+            wgmma::Mma<16>::ss(st[c], wide_kdesc(s_k + c * kTile, kk), wide_kdesc(q_i, kk), kk > 0);
         wgmma::commit();
 #pragma unroll
         for (int c = 0; c < N; ++c)
 #pragma unroll
           for (int kk = 0; kk < HD / 16; ++kk)
-            wgmma::Mma<16>::ss(dpt[c], kmajor_desc(s_v + c * kTile, kQTile, kk), kmajor_desc(do_i, kQTile, kk), kk > 0);
+            wgmma::Mma<16>::ss(dpt[c], wide_kdesc(s_v + c * kTile, kk), wide_kdesc(do_i, kk), kk > 0);
         wgmma::commit();
         bar_sync(kDelta + i, 256);  // WG 2 has written tile i's delta
         float lq[4], dq4[4];        // lse (times log2 e) and delta of queries 8j + 2q + e, at [2j + e]
@@ -395,8 +450,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (c < n) {
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
-            wgmma::Mma<HD>::ss_bt(dq, wgmma::descriptor(s_slot + c * kSlotBytes + 8192 + kk * 256, 128, 1024),
-                                  mnmajor_desc(s_k + c * kTile, kQTile, kk), c > 0 || kk > 0);
+            wide_mma<HD, false>(dq, wgmma::descriptor(s_slot + c * kSlotBytes + 8192 + kk * 256, 128, 1024),
+                                s_k + c * kTile, kk, c > 0 || kk > 0);
         }
       }
       wgmma::commit();
@@ -435,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const unsigned char* do_tile = smem + (s_do - s_q) + t * kTile;
 #pragma unroll
           for (int c = 0; c < HD / 16; ++c) {
-            const uint4 d = *reinterpret_cast<const uint4*>(do_tile + tile_offset(kQTile, x / 2, 2 * c + half));
+            const uint4 d = *reinterpret_cast<const uint4*>(do_tile + wide_offset(x / 2, 2 * c + half));
             const uint32_t ow[4] = {o[c].x, o[c].y, o[c].z, o[c].w}, dw[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -476,11 +531,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             wgmma::fence();
 #pragma unroll
             for (int kk = 0; kk < kSteps; ++kk)
-              wgmma::Mma<HD>::ss_tt(dv[t], wgmma::descriptor(slot + kk * 2048, 1024, 128), mnmajor_desc(do_i, kQTile, kk), 1);
+              wide_mma<HD, true>(dv[t], wgmma::descriptor(slot + kk * 2048, 1024, 128), do_i, kk, 1);
 #pragma unroll
             for (int kk = 0; kk < kSteps; ++kk)
-              wgmma::Mma<HD>::ss_tt(dk[t], wgmma::descriptor(slot + 8192 + kk * 2048, 1024, 128),
-                                    mnmajor_desc(q_i, kQTile, kk), 1);
+              wide_mma<HD, true>(dk[t], wgmma::descriptor(slot + 8192 + kk * 2048, 1024, 128), q_i, kk, 1);
             wgmma::commit();
           }
         }
@@ -509,13 +563,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int t = 0; t < 2; ++t) {
         const float mult = part == 0 ? 1.0f : scale;
         if (2 * j + t < n)
-          stage_fragments<HD>(smem + (s_v - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
+          stage_fragments<HD, true>(smem + (s_v - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
       if (issuer) {
         trace(tr, kBwdStaged + 2 * part + j);
-        for (int c = 2 * j; c < min(2 * j + 2, n); ++c)
-          tma_store(&dqkv_map, s_v + c * kTile, ((part == 0 ? 2 : 1) * H + h) * HD / 16, c * kQTile, b);
+        for (int c = 2 * j; c < min(2 * j + 2, n); ++c) {
+          const int col = ((part == 0 ? 2 : 1) * H + h) * HD;
+          tma_store_wide(&dqkv_map, s_v + c * kTile, col, c * kQTile, b);
+          if (HD > 64) tma_store_wide(&dqkv_tail, s_v + c * kTile + kWideBytes, col + 64, c * kQTile, b);
+        }
         trace(tr, kBwdWritten + 2 * part + j);
       }
     }
@@ -678,7 +735,7 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
     }
     // O / l as bf16 through this warpgroup's Q_i tile (its last reader, S, has completed), stored by TMA.
     bar_sync(1 + wg, 128);  // every warp of the warpgroup is past its S products
-    stage_fragments<HD>(smem + i * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
+    stage_fragments<HD, false>(smem + i * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
     bar_sync(1 + wg, 128);
     if (threadIdx.x % 128 == 0) {
       trace(tr, kFwdStaged + i);
@@ -711,8 +768,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// A [B, T, columns] bf16 tensor (qkv: 3 H hd columns, dout: H hd) seen as tiles of `rows` rows of
-// one head's Q, K, V or dO in the kernels' 32-byte-swizzle layout (tile_offset): dims (element of a
+// A [B, T, columns] bf16 tensor (qkv: 3 H hd columns, out: H hd) seen as tiles of `rows` rows of
+// one head's Q, K, V or O in the forward's 32-byte-swizzle layout (tile_offset): dims (element of a
 // 16-column chunk, row, chunk, image), strides (row, 32 bytes, image), box {16, rows, hd / 16, 1}:
 // chunk after chunk, 32-byte rows, swizzled by the TMA unit. Rows end at T: a box past them is
 // filled with zeros.
@@ -728,6 +785,22 @@ CUtensorMap tiles_map(const bf16* data, int B, int T, int columns, int hd, int r
                                           CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   ENSURE(r == CUDA_SUCCESS, "attention resident kernels: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
+  return map;
+}
+// The same tensor seen as the backward's wide tiles (wide_offset): dims (column, row, image), box
+// 64 columns (part 0: SWIZZLE_128B) or 16 (part 1, hd 80's last columns: SWIZZLE_32B) x 64 rows.
+CUtensorMap wide_map(const bf16* data, int B, int T, int columns, int part) {
+  const cuuint64_t cols = cuuint64_t(columns);
+  const cuuint64_t dims[3] = {cols, cuuint64_t(T), cuuint64_t(B)};
+  const cuuint64_t strides[2] = {cols * 2, cuuint64_t(T) * cols * 2};  // bytes, dims 1..2
+  const cuuint32_t box[3] = {part == 0 ? 64u : 16u, cuuint32_t(kQTile), 1};
+  const cuuint32_t steps[3] = {1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(data), dims,
+                                          strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          part == 0 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  ENSURE(r == CUDA_SUCCESS, "attention resident backward: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
   return map;
 }
 }  // namespace
@@ -751,8 +824,9 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
     attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
-        tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile), tiles_map(dout, B, T, H * HD, HD, kQTile),
-        tiles_map(dqkv, B, T, 3 * H * HD, HD, kQTile), out, lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+        wide_map(qkv, B, T, 3 * H * HD, 0), wide_map(dout, B, T, H * HD, 0), wide_map(dqkv, B, T, 3 * H * HD, 0),
+        wide_map(qkv, B, T, 3 * H * HD, 1), wide_map(dout, B, T, H * HD, 1), wide_map(dqkv, B, T, 3 * H * HD, 1), out,
+        lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});

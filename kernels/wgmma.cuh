@@ -2,6 +2,8 @@
 // accumulate, m64nNk16, and the descriptor and synchronisation primitives around them.
 // Accumulator layout of d[N/2] (warp w of the warpgroup, g = lane / 4, q = lane % 4): d[4j + v] is
 // row 16w + g + 8 (v / 2), column 8j + 2q + (v % 2): the mma.sync m16n8k16 C layout, per 8 columns.
+// The shared-memory forms take an offset O into d: an m64n80 product as m64n64 into d[0 ..] and
+// m64n16 into d[32 ..] (columns 64-79), the layout an m64n80 would write.
 #pragma once
 #include <cstdint>
 
@@ -23,6 +25,14 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t smem_addr, uint32_t lbo,
 __device__ __forceinline__ uint64_t descriptor_sw32(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
   return descriptor(smem_addr, lbo, sbo) | (uint64_t(3) << 62);
 }
+// The 128-byte swizzle (layout type 1): 8-row groups of 128-byte rows (1024 bytes), the eight
+// 16-byte units of row r of a group permuted by unit ^= r (address bits 4-6 ^= bits 7-9); start
+// addresses on 1024-byte boundaries, a K-major operand's k16 steps at + 32 bytes within them.
+// K-major: K = 64 elements a row (lbo unused), sbo = between 8-row groups. MN-major: 64 M/N
+// elements a row, 8 K rows a group; lbo = between 64-element groups along M/N, sbo = along K.
+__device__ __forceinline__ uint64_t descriptor_sw128(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+  return descriptor(smem_addr, lbo, sbo) | (uint64_t(1) << 62);
+}
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -41,102 +51,102 @@ struct Mma;
 
 template <>
 struct Mma<16> {
-  // d (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 8, "accumulator array too small");
+    static_assert(M >= O + 8, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7])
         : "l"(a), "l"(b), "r"(accumulate));
   }
-  // d (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss_bt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 8, "accumulator array too small");
+    static_assert(M >= O + 8, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7])
         : "l"(a), "l"(b), "r"(accumulate));
   }
-  // d (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss_tt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 8, "accumulator array too small");
+    static_assert(M >= O + 8, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7])
         : "l"(a), "l"(b), "r"(accumulate));
   }
 };
 
 template <>
 struct Mma<32> {
-  // d (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 16, "accumulator array too small");
+    static_assert(M >= O + 16, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15])
         : "l"(a), "l"(b), "r"(accumulate));
   }
-  // d (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss_bt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 16, "accumulator array too small");
+    static_assert(M >= O + 16, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15])
         : "l"(a), "l"(b), "r"(accumulate));
   }
-  // d (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss_tt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 16, "accumulator array too small");
+    static_assert(M >= O + 16, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15])
         : "l"(a), "l"(b), "r"(accumulate));
   }
 };
 
 template <>
 struct Mma<64> {
-  // d (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 32, "accumulator array too small");
+    static_assert(M >= O + 32, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15]), "+f"(d[O + 16]), "+f"(d[O + 17]), "+f"(d[O + 18]), "+f"(d[O + 19]), "+f"(d[O + 20]), "+f"(d[O + 21]), "+f"(d[O + 22]), "+f"(d[O + 23]), "+f"(d[O + 24]), "+f"(d[O + 25]), "+f"(d[O + 26]), "+f"(d[O + 27]), "+f"(d[O + 28]), "+f"(d[O + 29]), "+f"(d[O + 30]), "+f"(d[O + 31])
         : "l"(a), "l"(b), "r"(accumulate));
   }
-  // d (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss_bt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 32, "accumulator array too small");
+    static_assert(M >= O + 32, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15]), "+f"(d[O + 16]), "+f"(d[O + 17]), "+f"(d[O + 18]), "+f"(d[O + 19]), "+f"(d[O + 20]), "+f"(d[O + 21]), "+f"(d[O + 22]), "+f"(d[O + 23]), "+f"(d[O + 24]), "+f"(d[O + 25]), "+f"(d[O + 26]), "+f"(d[O + 27]), "+f"(d[O + 28]), "+f"(d[O + 29]), "+f"(d[O + 30]), "+f"(d[O + 31])
         : "l"(a), "l"(b), "r"(accumulate));
   }
-  // d (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss_tt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 32, "accumulator array too small");
+    static_assert(M >= O + 32, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15]), "+f"(d[O + 16]), "+f"(d[O + 17]), "+f"(d[O + 18]), "+f"(d[O + 19]), "+f"(d[O + 20]), "+f"(d[O + 21]), "+f"(d[O + 22]), "+f"(d[O + 23]), "+f"(d[O + 24]), "+f"(d[O + 25]), "+f"(d[O + 26]), "+f"(d[O + 27]), "+f"(d[O + 28]), "+f"(d[O + 29]), "+f"(d[O + 30]), "+f"(d[O + 31])
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A [64 x 16] bf16 pairs in registers (a[4], the m16n8k16 A layout per warp), B [16 x N]
@@ -154,34 +164,34 @@ struct Mma<64> {
 
 template <>
 struct Mma<80> {
-  // d (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A [64 x 16] and B [N x 16] both K-major in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 40, "accumulator array too small");
+    static_assert(M >= O + 40, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15]), "+f"(d[O + 16]), "+f"(d[O + 17]), "+f"(d[O + 18]), "+f"(d[O + 19]), "+f"(d[O + 20]), "+f"(d[O + 21]), "+f"(d[O + 22]), "+f"(d[O + 23]), "+f"(d[O + 24]), "+f"(d[O + 25]), "+f"(d[O + 26]), "+f"(d[O + 27]), "+f"(d[O + 28]), "+f"(d[O + 29]), "+f"(d[O + 30]), "+f"(d[O + 31]), "+f"(d[O + 32]), "+f"(d[O + 33]), "+f"(d[O + 34]), "+f"(d[O + 35]), "+f"(d[O + 36]), "+f"(d[O + 37]), "+f"(d[O + 38]), "+f"(d[O + 39])
         : "l"(a), "l"(b), "r"(accumulate));
   }
-  // d (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A K-major, B [16 x N] MN-major (N contiguous) in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss_bt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 40, "accumulator array too small");
+    static_assert(M >= O + 40, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15]), "+f"(d[O + 16]), "+f"(d[O + 17]), "+f"(d[O + 18]), "+f"(d[O + 19]), "+f"(d[O + 20]), "+f"(d[O + 21]), "+f"(d[O + 22]), "+f"(d[O + 23]), "+f"(d[O + 24]), "+f"(d[O + 25]), "+f"(d[O + 26]), "+f"(d[O + 27]), "+f"(d[O + 28]), "+f"(d[O + 29]), "+f"(d[O + 30]), "+f"(d[O + 31]), "+f"(d[O + 32]), "+f"(d[O + 33]), "+f"(d[O + 34]), "+f"(d[O + 35]), "+f"(d[O + 36]), "+f"(d[O + 37]), "+f"(d[O + 38]), "+f"(d[O + 39])
         : "l"(a), "l"(b), "r"(accumulate));
   }
-  // d (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
-  template <int M>
+  // d[O ..] (+)= A B, A [64 x 16] and B [16 x N] both MN-major (M, N contiguous) in shared memory (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void ss_tt(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(M >= 40, "accumulator array too small");
+    static_assert(M >= O + 40, "accumulator array too small");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7]), "+f"(d[O + 8]), "+f"(d[O + 9]), "+f"(d[O + 10]), "+f"(d[O + 11]), "+f"(d[O + 12]), "+f"(d[O + 13]), "+f"(d[O + 14]), "+f"(d[O + 15]), "+f"(d[O + 16]), "+f"(d[O + 17]), "+f"(d[O + 18]), "+f"(d[O + 19]), "+f"(d[O + 20]), "+f"(d[O + 21]), "+f"(d[O + 22]), "+f"(d[O + 23]), "+f"(d[O + 24]), "+f"(d[O + 25]), "+f"(d[O + 26]), "+f"(d[O + 27]), "+f"(d[O + 28]), "+f"(d[O + 29]), "+f"(d[O + 30]), "+f"(d[O + 31]), "+f"(d[O + 32]), "+f"(d[O + 33]), "+f"(d[O + 34]), "+f"(d[O + 35]), "+f"(d[O + 36]), "+f"(d[O + 37]), "+f"(d[O + 38]), "+f"(d[O + 39])
         : "l"(a), "l"(b), "r"(accumulate));
   }
   // d (+)= A B, A [64 x 16] bf16 pairs in registers (a[4], the m16n8k16 A layout per warp), B [16 x N]

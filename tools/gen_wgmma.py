@@ -23,11 +23,11 @@ VARIANTS = (
 def wrapper(n, name, tnsp_a, tnsp_b, comment):
     k = n // 2
     acc = ", ".join(f"%{i}" for i in range(k))
-    operands = ", ".join(f'"+f"(d[{i}])' for i in range(k))
-    return f'''  // d (+)= A B, {comment} (descriptors).
-  template <int M>
+    operands = ", ".join(f'"+f"(d[O + {i}])' for i in range(k))
+    return f'''  // d[O ..] (+)= A B, {comment} (descriptors).
+  template <int O = 0, int M>
   __device__ __forceinline__ static void {name}(float (&d)[M], uint64_t a, uint64_t b, int accumulate) {{
-    static_assert(M >= {k}, "accumulator array too small");
+    static_assert(M >= O + {k}, "accumulator array too small");
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{acc}}}, %{k}, %{k + 1}, p, 1, 1, {tnsp_a}, {tnsp_b};\\n}}\\n"
@@ -62,6 +62,8 @@ def main():
 // accumulate, m64nNk16, and the descriptor and synchronisation primitives around them.
 // Accumulator layout of d[N/2] (warp w of the warpgroup, g = lane / 4, q = lane % 4): d[4j + v] is
 // row 16w + g + 8 (v / 2), column 8j + 2q + (v % 2): the mma.sync m16n8k16 C layout, per 8 columns.
+// The shared-memory forms take an offset O into d: an m64n80 product as m64n64 into d[0 ..] and
+// m64n16 into d[32 ..] (columns 64-79), the layout an m64n80 would write.
 #pragma once
 #include <cstdint>
 
@@ -82,6 +84,14 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t smem_addr, uint32_t lbo,
 // along K.
 __device__ __forceinline__ uint64_t descriptor_sw32(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
   return descriptor(smem_addr, lbo, sbo) | (uint64_t(3) << 62);
+}
+// The 128-byte swizzle (layout type 1): 8-row groups of 128-byte rows (1024 bytes), the eight
+// 16-byte units of row r of a group permuted by unit ^= r (address bits 4-6 ^= bits 7-9); start
+// addresses on 1024-byte boundaries, a K-major operand's k16 steps at + 32 bytes within them.
+// K-major: K = 64 elements a row (lbo unused), sbo = between 8-row groups. MN-major: 64 M/N
+// elements a row, 8 K rows a group; lbo = between 64-element groups along M/N, sbo = along K.
+__device__ __forceinline__ uint64_t descriptor_sw128(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+  return descriptor(smem_addr, lbo, sbo) | (uint64_t(1) << 62);
 }
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory"); }
