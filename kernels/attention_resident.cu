@@ -543,7 +543,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       else if (last_k16 == 2) products(std::integral_constant<int, 2>{});
       else products(std::integral_constant<int, 1>{});
       wgmma::wait<0>();
-      if (threadIdx.x % 128 == 0) trace(tr, kBwdProducts + 4 * j + i);
+      // (Not at hd 80: there this stamp made the traced build spill, slowing the key warpgroups.)
+      if (HD != 80 && threadIdx.x % 128 == 0) trace(tr, kBwdProducts + 4 * j + i);
       if (i + 1 < n)
 #pragma unroll
         for (int t = 0; t < 2; ++t)
