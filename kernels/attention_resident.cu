@@ -10,7 +10,9 @@
 //     dK_c += dS^T Q_i from slot c (A = P^T, dS^T: the slot read MN-major). That is 160 fp32
 //     registers a thread, which they take from WG 0 (setmaxnreg). Before that WG 1 issues every
 //     load, so that WG 0 starts as soon as the first tile lands, and WG 2 computes
-//     delta = rowsum(dO * O) tile by tile (no separate kernel).
+//     delta = rowsum(dO * O) tile by tile (no separate kernel), O's tile t loaded with the others
+//     into slot t, which WG 0 fills only after DELTA_t. After the last query tile they stage dV in
+//     their V tiles and store it, then dK in their K tiles once WG 0's last dQ has read them.
 // A last, partial tile is computed only as far as its rows reach, rounded up to 16 (at ViT's 197
 // tokens 5 of its 64 rows are real): S and dP 16 or 32 keys wide instead of 64, and dK and dV
 // contract over that many of its queries. dQ contracts over all 64 of its keys, the slot's
@@ -19,7 +21,7 @@
 // its first 16 queries, every key tile in one pass: few_rows).
 // Hand-overs: the loads land on one mbarrier per tile (TMA bytes, lse by cp.async); slot c goes
 // from WG 0 to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta
-// through DELTA_t.
+// (and slot t) through DELTA_t; the K tiles, after WG 0's last dQ, through DQ_DONE.
 // Shared-memory layouts:
 //   The backward's Q, dO, K, V tiles, 64 rows: columns 0-63 in the 128-byte swizzle (128-byte
 //     rows, 8 KB), at hd 80 columns 64-79 after them in the 32-byte swizzle (wide_offset). TMA
@@ -114,8 +116,9 @@ constexpr int kSlotBytes = 2 * 64 * 64 * 2;  // P, then dS
 // increase beyond the pool waits forever).
 constexpr int kWg0Regs = 120, kKeyRegs = 192;  // 120 + 2 * 192 = 504
 static_assert(kWg0Regs + 2 * kKeyRegs <= 3 * (65536 / kThreads / 8 * 8), "more registers than the CTA's pool");
-// kFull + c, kEmpty + c, kDelta + t, kKeys + j (key warpgroup j's own); 0 is __syncthreads
-enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10, kKeys = 14 };
+// kFull + c, kEmpty + c, kDelta + t, kKeys + j (key warpgroup j's own); 0 is __syncthreads. kDqDone
+// reuses DELTA_0, whose one use ends at query tile 0.
+enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10, kDqDone = kDelta, kKeys = 14 };
 
 // Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); then the 4 mbarriers.
 __host__ __device__ constexpr int smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512) + 8 * 4; }
@@ -249,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap do_map,
                                        const __grid_constant__ CUtensorMap dqkv_map, const __grid_constant__ CUtensorMap qkv_tail,
                                        const __grid_constant__ CUtensorMap do_tail, const __grid_constant__ CUtensorMap dqkv_tail,
-                                       const bf16* __restrict__ out,
+                                       const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap out_tail,
                                        const float* __restrict__ lse, bf16* __restrict__ dqkv, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = trace_row();
@@ -269,8 +272,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) trace_start(tr);
   if (threadIdx.x == 0)
     for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kLseLoaders + 1);  // + the TMA issuer's arrival
-  if (last_k16 <= 2) {  // the last slot's columns that WG 0 leaves unwritten
-    for (int v = int(threadIdx.x); v < kSlotBytes / 16; v += kThreads)
+  // The last slot's columns that WG 0 leaves unwritten, past the bytes O's tile takes (below): zero.
+  // Those it takes keep O where WG 0 does not write (rows of O past T are zeros; its real rows
+  // are finite wherever the gradients are, since delta carries them into dS): dQ multiplies them
+  // by K's rows past T, zeros; dV and dK's rows for those keys are past T, never stored.
+  if (last_k16 <= 2) {
+    for (int v = int(threadIdx.x) + kTile / 16; v < kSlotBytes / 16; v += kThreads)
       *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (n - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
     wgmma::fence_proxy_async();
   }
@@ -284,13 +291,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     trace(tr, kBwdIssueBegins);
     for (int t = 0; t < n; ++t) {
       const uint32_t bar = s_bar + 8 * t;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(4 * kTile) : "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(5 * kTile) : "memory");
       for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
         const int col = ((which < 2 ? 0 : (which - 1) * H) + h) * HD;
         const uint32_t dst = s_q + which * n * kTile + t * kTile;
         tma_load_wide(dst, which == 1 ? &do_map : &qkv_map, col, t * kQTile, b, bar);
         if (HD > 64) tma_load_wide(dst + kWideBytes, which == 1 ? &do_tail : &qkv_tail, col + 64, t * kQTile, b, bar);
       }
+      // O's tile into slot t, for WG 2's delta before WG 0 first fills the slot (by the LSU, its
+      // loads queued behind these and came ~2-3 us after dO's: WG 2 began its products late)
+      const uint32_t o_dst = s_slot + t * kSlotBytes;
+      tma_load_wide(o_dst, &out_map, h * HD, t * kQTile, b, bar);
+      if (HD > 64) tma_load_wide(o_dst + kWideBytes, &out_tail, h * HD + 64, t * kQTile, b, bar);
     }
     trace(tr, kBwdIssued);
   }
@@ -344,10 +356,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (key + 1 >= T) sc[4 * j + 1] = sc[4 * j + 3] = 0.0f;
         }
         wgmma::wait<0>();
-        if (c == 0) {
-          bar_sync(kDelta + i, 256);  // WG 2 has written tile i's delta
-          d_lo = stats[i * 128 + 64 + warp * 16 + g], d_hi = stats[i * 128 + 64 + warp * 16 + g + 8];
-        }
+        if (i == 0) bar_sync(kDelta + c, 256);  // WG 2 has written tile c's delta and is done with slot c's O
+        if (c == 0) d_lo = stats[i * 128 + 64 + warp * 16 + g], d_hi = stats[i * 128 + 64 + warp * 16 + g + 8];
         if (i > 0) bar_sync(kEmpty + c, 256);  // the owner is done with tile i - 1's slot c
         // P and dS = P (dP - delta) into the slot's first W columns as bf16 pairs.
         const uint32_t slot = s_slot + c * kSlotBytes;
@@ -393,7 +403,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int kk = 0; kk < HD / 16; ++kk)
             wgmma::Mma<16>::ss(dpt[c], wide_kdesc(s_v + c * kTile, kk), wide_kdesc(do_i, kk), kk > 0);
         wgmma::commit();
-        bar_sync(kDelta + i, 256);  // WG 2 has written tile i's delta
+        if (i == 0)
+          for (int c = 0; c < N; ++c) bar_sync(kDelta + c, 256);  // WG 2 has written the deltas, is done with the slots' O
         float lq[4], dq4[4];        // lse (times log2 e) and delta of queries 8j + 2q + e, at [2j + e]
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
@@ -457,6 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::commit();
       wgmma::wait<0>();
       if (threadIdx.x == 0) trace(tr, kBwdDqComplete + i);
+      if (i + 1 == n) bar_arrive(kDqDone, n > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
       bf16* dq_dst = dqkv + size_t(b) * T * ld + h * HD;
 #pragma unroll
       for (int m = 0; m < HD / 8; ++m) {
@@ -474,24 +486,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {  // keys: dV, dK for key tiles 2j, 2j + 1
     regs_inc<kKeyRegs>();
     const int j = wg - 1;
-    if (j == 1) {  // first, delta = rowsum(dO * O) (0 past T) tile by tile for WG 0: two threads a row,
-                   // on alternate 16-byte vectors (together whole 32-byte sectors of O)
+    if (j == 1) {  // first, delta = rowsum(dO * O) (0 past T) tile by tile for WG 0, O from slot t:
+                   // two threads a row, on alternate 16-byte vectors
       float* stats_w = reinterpret_cast<float*>(smem + (s_stats - s_q));
       const int x = int(threadIdx.x) - 256, half = x & 1;
       for (int t = 0; t < n; ++t) {
         const int r = t * kQTile + x / 2;
         float sum = 0.0f;
-        uint4 o[HD / 16];  // O's half row, loaded before waiting for dO
-        const uint4* o_row = reinterpret_cast<const uint4*>(out + (size_t(b) * T + r) * D + h * HD) + half;
-#pragma unroll
-        for (int c = 0; c < HD / 16; ++c) o[c] = r < T ? o_row[2 * c] : make_uint4(0, 0, 0, 0);
-        mbar_wait(s_bar + 8 * t, 0);  // dO's tile
+        mbar_wait(s_bar + 8 * t, 0);  // dO's tile, O's in slot t
+        const unsigned char* do_tile = smem + (s_do - s_q) + t * kTile;
+        const unsigned char* o_tile = smem + (s_slot - s_q) + t * kSlotBytes;
         if (r < T) {
-          const unsigned char* do_tile = smem + (s_do - s_q) + t * kTile;
 #pragma unroll
           for (int c = 0; c < HD / 16; ++c) {
             const uint4 d = *reinterpret_cast<const uint4*>(do_tile + wide_offset(x / 2, 2 * c + half));
-            const uint32_t ow[4] = {o[c].x, o[c].y, o[c].z, o[c].w}, dw[4] = {d.x, d.y, d.z, d.w};
+            const uint4 o = *reinterpret_cast<const uint4*>(o_tile + wide_offset(x / 2, 2 * c + half));
+            const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const float2 of = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ow[e]));
@@ -555,24 +565,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int key_wg_bar = kKeys + j;
     const bool issuer = threadIdx.x % 128 == 0;
 #pragma unroll
-    for (int part = 0; part < 2; ++part) {  // dV, dK (unrolled: acc names registers, not local memory)
-      if (part == 1) {  // dV's stores have read the tiles
-        if (issuer) bulk_wait_read();
-        bar_sync(key_wg_bar, 128);
-      }
+    for (int part = 0; part < 2; ++part) {  // dV through the V tiles, then dK through the K tiles
+      const uint32_t tiles = part == 0 ? s_v : s_k;
+      if (part == 1) bar_sync(kDqDone, n > 2 ? 384 : 256);  // WG 0's last dQ has read the K tiles
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const float mult = part == 0 ? 1.0f : scale;
         if (2 * j + t < n)
-          stage_fragments<HD, true>(smem + (s_v - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
+          stage_fragments<HD, true>(smem + (tiles - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
       if (issuer) {
         trace(tr, kBwdStaged + 2 * part + j);
         for (int c = 2 * j; c < min(2 * j + 2, n); ++c) {
           const int col = ((part == 0 ? 2 : 1) * H + h) * HD;
-          tma_store_wide(&dqkv_map, s_v + c * kTile, col, c * kQTile, b);
-          if (HD > 64) tma_store_wide(&dqkv_tail, s_v + c * kTile + kWideBytes, col + 64, c * kQTile, b);
+          tma_store_wide(&dqkv_map, tiles + c * kTile, col, c * kQTile, b);
+          if (HD > 64) tma_store_wide(&dqkv_tail, tiles + c * kTile + kWideBytes, col + 64, c * kQTile, b);
         }
         trace(tr, kBwdWritten + 2 * part + j);
       }
@@ -826,8 +834,9 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
     attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
         wide_map(qkv, B, T, 3 * H * HD, 0), wide_map(dout, B, T, H * HD, 0), wide_map(dqkv, B, T, 3 * H * HD, 0),
-        wide_map(qkv, B, T, 3 * H * HD, 1), wide_map(dout, B, T, H * HD, 1), wide_map(dqkv, B, T, 3 * H * HD, 1), out,
-        lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+        wide_map(qkv, B, T, 3 * H * HD, 1), wide_map(dout, B, T, H * HD, 1), wide_map(dqkv, B, T, 3 * H * HD, 1),
+        wide_map(out, B, T, H * HD, 0), wide_map(out, B, T, H * HD, 1), lse, dqkv, T, H,
+        1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});
