@@ -1,5 +1,5 @@
 # vit_train and its tests. `make` builds vit_train and the rate tools (gemm_rate, loader_rate,
-# attention_rate, attention_trace); `make test` builds and runs
+# attention_rate, attention_trace, tma_rate); `make test` builds and runs
 # vit_tests: the CPU tier everywhere, the GPU tier where a GPU is present. The kernels are
 # written for Hopper (sm_90a); ARCH can be overridden on the command line.
 CUDA    ?= /usr/local/cuda
@@ -23,7 +23,7 @@ LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
 .PHONY: all test bench profile clean test-deps
-all: vit_train gemm_rate loader_rate attention_rate attention_trace
+all: vit_train gemm_rate loader_rate attention_rate attention_trace tma_rate
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
