@@ -1107,7 +1107,7 @@ bool single_pass_fits(int T, int hd, int dev) {
 
 // The kernel a call runs, for a shape the streamed kernels support on device dev: the one asked
 // for (refused where it does not apply), or Auto's choice (the fastest that applies, as measured:
-// BENCHMARKS.md 21, 24, 25, 27).
+// BENCHMARKS.md 21, 24, 25, 27, 28).
 AttentionForward resolve_forward(AttentionForward kind, int T, int hd, int dev) {
   ENSURE(kind != AttentionForward::Resident || attention_forward_resident_fits(T, hd, dev),
          "attention_forward: the resident kernel takes T <= 256 and hd 64, 80 or 128 on sm_90a; T " + std::to_string(T) +

@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma::commit();
         if (i == 0)
           for (int c = 0; c < N; ++c) bar_sync(kDelta + c, 256);  // WG 2 has written the deltas, is done with the slots' O
-        float lq[4], dq4[4];        // lse (times log2 e) and delta of queries 8j + 2q + e, at [2j + e]
+        float lq[4], dq4[4];  // lse (times log2 e) and delta of queries 8j + 2q + e, at [2j + e]
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
           lq[x] = stats[i * 128 + 8 * (x / 2) + 2 * q + x % 2] * kLog2e;
@@ -561,7 +561,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
     }
     // dV, then dK (times the scale), as bf16 through this warpgroup's own V tiles (WG 0 read them
-    // last for dP of the last query tile, before it filled that tile's slot), stored by TMA.
+    // last for dP of the last query tile, before it filled that tile's slot) and K tiles (after
+    // WG 0's last dQ), each stored by TMA as soon as staged.
     const int key_wg_bar = kKeys + j;
     const bool issuer = threadIdx.x % 128 == 0;
 #pragma unroll
