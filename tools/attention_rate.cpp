@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <utility>
 #include <vector>
 
@@ -18,27 +17,18 @@
 #include "kernels/attention.h"
 #include "tools/attention_operands.h"
 #include "tools/event_timing.h"
+#include "tools/shape_args.h"
 
 int main(int argc, char** argv) {
-  std::vector<std::vector<int>> shapes = {{64, 16, 197, 80}, {32, 16, 577, 64}, {256, 12, 197, 64}, {256, 6, 197, 64}};
-  if (argc > 1) {
-    if ((argc - 1) % 4 != 0) {
-      std::fprintf(stderr, "usage: attention_rate [B H T HD ...]\n");
-      return 2;
-    }
-    shapes.clear();
-    for (int i = 1; i + 3 < argc; i += 4)
-      shapes.push_back({std::atoi(argv[i]), std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
-  }
+  std::vector<AttentionShape> shapes;
+  if (!parse_shapes(argc, argv, "attention_rate",
+                    {{64, 16, 197, 80}, {32, 16, 577, 64}, {256, 12, 197, 64}, {256, 6, 197, 64}}, &shapes))
+    return 2;
   try {
     std::printf("%-22s %10s %10s %10s %12s %12s\n", "B H T hd", "fwd ms", "bwd ms", "both ms", "fwd TFLOP/s",
                 "both TFLOP/s");
     for (const auto& s : shapes) {
-      const int B = s[0], H = s[1], T = s[2], hd = s[3];
-      if (B <= 0 || H <= 0 || T <= 0 || hd <= 0) {
-        std::fprintf(stderr, "attention_rate: shapes must be positive\n");
-        return 2;
-      }
+      const int B = s.B, H = s.H, T = s.T, hd = s.hd;
       const std::string why = attention_unsupported_reason(T, hd);
       if (!why.empty()) {
         std::printf("%d %d %d %d: not supported (%s)\n", B, H, T, hd, why.c_str());

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -19,6 +18,7 @@
 #include "kernels/attention.h"
 #include "kernels/attention_trace.h"
 #include "tools/attention_operands.h"
+#include "tools/shape_args.h"
 
 namespace {
 using namespace attention_trace;
@@ -88,12 +88,13 @@ void trace(const char* kernel, const std::vector<std::pair<int, std::string>>& s
 }  // namespace
 
 int main(int argc, char** argv) {
-  int B = 64, H = 16, T = 197, hd = 80;
-  if (argc == 5) B = std::atoi(argv[1]), H = std::atoi(argv[2]), T = std::atoi(argv[3]), hd = std::atoi(argv[4]);
-  else if (argc != 1) {
-    std::fprintf(stderr, "usage: attention_trace [B H T HD]\n");
+  std::vector<AttentionShape> shapes;
+  if (!parse_shapes(argc, argv, "attention_trace", {{64, 16, 197, 80}}, &shapes)) return 2;
+  if (shapes.size() != 1) {
+    std::fprintf(stderr, "attention_trace: %zu shapes; it traces one (usage: attention_trace [B H T HD])\n", shapes.size());
     return 2;
   }
+  const int B = shapes[0].B, H = shapes[0].H, T = shapes[0].T, hd = shapes[0].hd;
   try {
     if (!attention_resident_supported(T, hd) || !attention_forward_resident_supported(T, hd)) {
       std::fprintf(stderr, "attention_trace: T %d, hd %d is not the resident kernels' shape\n", T, hd);

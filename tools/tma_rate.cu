@@ -20,12 +20,12 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "engine/check.h"
 #include "tools/event_timing.h"
+#include "tools/shape_args.h"
 
 namespace {
 enum Geometry { kSw16, kSw32, kSw32Whole, kSw128, kRows };
@@ -164,24 +164,17 @@ double median_of(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::vector<int>> shapes = {{64, 16, 197, 80}, {2, 16, 197, 80}};
-  if (argc > 1) {
-    if ((argc - 1) % 4 != 0) {
-      std::fprintf(stderr, "usage: tma_rate [B H T HD ...]\n");
+  std::vector<AttentionShape> shapes;
+  if (!parse_shapes(argc, argv, "tma_rate", {{64, 16, 197, 80}, {2, 16, 197, 80}}, &shapes)) return 2;
+  for (const AttentionShape& s : shapes)
+    if (s.hd != 64 && s.hd != 80) {
+      std::fprintf(stderr, "tma_rate: hd %d; it times the tiles at hd 64 or 80\n", s.hd);
       return 2;
     }
-    shapes.clear();
-    for (int i = 1; i + 3 < argc; i += 4)
-      shapes.push_back({std::atoi(argv[i]), std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
-  }
   try {
     std::printf("%-16s %-6s %9s %9s %13s %13s\n", "B H T hd", "boxes", "kernel us", "GB/s", "CTA load us", "CTA store us");
     for (const auto& s : shapes) {
-      const int B = s[0], H = s[1], T = s[2], hd = s[3];
-      if (B <= 0 || H <= 0 || T <= 0 || (hd != 64 && hd != 80)) {
-        std::fprintf(stderr, "tma_rate: B, H, T must be positive, hd 64 or 80\n");
-        return 2;
-      }
+      const int B = s.B, H = s.H, T = s.T, hd = s.hd;
       const size_t qkv_elems = size_t(B) * T * 3 * H * hd, do_elems = size_t(B) * T * H * hd;
       void *qkv, *dout, *dst;
       unsigned long long* ns;
