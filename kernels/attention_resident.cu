@@ -37,15 +37,14 @@
 //     queries, SBO 128).
 #include "kernels/attention_resident.h"
 
-#include <cuda.h>  // CUtensorMap (the encoder comes through the runtime: no link against libcuda)
-#include <cudaTypedefs.h>
-
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "engine/check.h"
 #include "kernels/attention_common.cuh"
 #include "kernels/attention_trace.h"
+#include "kernels/tma.cuh"
 #include "kernels/wgmma.cuh"
 
 namespace {
@@ -136,21 +135,6 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-// A box of a tiles_map (16 columns x rows x chunks of 16 columns, from `chunk` on, rows from
-// row0 of image b) into dst, its bytes counted on bar.
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int chunk, int row0, int b, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(row0), "r"(chunk), "r"(b), "r"(bar)
-      : "memory");
-}
-// A box of a wide_map (columns from col, 64 rows from row0, of image b) into dst, counted on bar.
-__device__ __forceinline__ void tma_load_wide(uint32_t dst, const CUtensorMap* map, int col, int row0, int b, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row0), "r"(b), "r"(bar)
-      : "memory");
-}
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
   uint32_t done = 0;
   while (!done)
@@ -186,27 +170,6 @@ __device__ __forceinline__ void stage_fragments(unsigned char* tile, const float
   }
   wgmma::fence_proxy_async();
 }
-// A staged tile (rows 64 from row0, `chunk` on, of image b) to global memory by TMA, whose map
-// ends at T (rows past it are not written), committed as a bulk group: the issuing thread must
-// bulk_wait_read() before the tile is written again or the CTA exits.
-__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int chunk, int row0, int b) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(0), "r"(row0), "r"(chunk), "r"(b), "r"(src)
-      : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-// The same for a wide_map: a 64-row tile's part, columns from col.
-__device__ __forceinline__ void tma_store_wide(const CUtensorMap* map, uint32_t src, int col, int row0, int b) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(col), "r"(row0), "r"(b), "r"(src)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-
 // Phase stamps (kernels/attention_trace.h): code only in the traced build.
 using namespace attention_trace;
 #ifdef ATTENTION_TRACE
@@ -295,14 +258,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
         const int col = ((which < 2 ? 0 : (which - 1) * H) + h) * HD;
         const uint32_t dst = s_q + which * n * kTile + t * kTile;
-        tma_load_wide(dst, which == 1 ? &do_map : &qkv_map, col, t * kQTile, b, bar);
-        if (HD > 64) tma_load_wide(dst + kWideBytes, which == 1 ? &do_tail : &qkv_tail, col + 64, t * kQTile, b, bar);
+        tma::load_3d(dst, which == 1 ? &do_map : &qkv_map, col, t * kQTile, b, bar);
+        if (HD > 64) tma::load_3d(dst + kWideBytes, which == 1 ? &do_tail : &qkv_tail, col + 64, t * kQTile, b, bar);
       }
       // O's tile into slot t, for WG 2's delta before WG 0 first fills the slot (by the LSU, its
       // loads queued behind these and came ~2-3 us after dO's: WG 2 began its products late)
       const uint32_t o_dst = s_slot + t * kSlotBytes;
-      tma_load_wide(o_dst, &out_map, h * HD, t * kQTile, b, bar);
-      if (HD > 64) tma_load_wide(o_dst + kWideBytes, &out_tail, h * HD + 64, t * kQTile, b, bar);
+      tma::load_3d(o_dst, &out_map, h * HD, t * kQTile, b, bar);
+      if (HD > 64) tma::load_3d(o_dst + kWideBytes, &out_tail, h * HD + 64, t * kQTile, b, bar);
     }
     trace(tr, kBwdIssued);
   }
@@ -580,13 +543,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         trace(tr, kBwdStaged + 2 * part + j);
         for (int c = 2 * j; c < min(2 * j + 2, n); ++c) {
           const int col = ((part == 0 ? 2 : 1) * H + h) * HD;
-          tma_store_wide(&dqkv_map, tiles + c * kTile, col, c * kQTile, b);
-          if (HD > 64) tma_store_wide(&dqkv_tail, tiles + c * kTile + kWideBytes, col + 64, c * kQTile, b);
+          tma::store_3d(&dqkv_map, tiles + c * kTile, col, c * kQTile, b);
+          tma::commit();
+          if (HD > 64) {
+            tma::store_3d(&dqkv_tail, tiles + c * kTile + kWideBytes, col + 64, c * kQTile, b);
+            tma::commit();
+          }
         }
         trace(tr, kBwdWritten + 2 * part + j);
       }
     }
-    if (issuer) bulk_wait_read();
+    if (issuer) tma::wait_read();
     trace_end(tr);
   }
 }
@@ -646,8 +613,8 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
                    "r"(kTile + 2 * (narrow ? last_rows : kQTile) * HD * 2)
                    : "memory");
       for (int part = 0; part < 3; ++part)
-        tma_load((part == 0 ? s_q : part == 1 ? s_k : s_v) + t * kTile, part > 0 && narrow ? &narrow_map : &qkv_map,
-                 (part * H + h) * HD / 16, t * kQTile, b, bar);
+        tma::load_4d((part == 0 ? s_q : part == 1 ? s_k : s_v) + t * kTile, part > 0 && narrow ? &narrow_map : &qkv_map, 0,
+                     t * kQTile, (part * H + h) * HD / 16, b, bar);
     }
     trace(tr, kFwdIssued);
   }
@@ -749,11 +716,12 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
     bar_sync(1 + wg, 128);
     if (threadIdx.x % 128 == 0) {
       trace(tr, kFwdStaged + i);
-      tma_store(&out_map, q_i, h * HD / 16, i * kQTile, b);
+      tma::store_4d(&out_map, q_i, 0, i * kQTile, h * HD / 16, b);
+      tma::commit();
       trace(tr, kFwdStored + i);
     }
   }
-  if (threadIdx.x % 128 == 0) bulk_wait_read();  // the stores have read this warpgroup's tiles
+  if (threadIdx.x % 128 == 0) tma::wait_read();  // the stores have read this warpgroup's tiles
   trace_end(tr);
 }
 
@@ -766,17 +734,6 @@ bool resident_fits(int T, int smem, const DeviceInfo& info) {
   return T >= 1 && T <= 4 * kQTile && info.major == 9 && info.minor == 0 && smem <= info.smem_optin;
 }
 
-// The driver's tensor-map encoder, through the runtime's entry-point query.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-    ENSURE(found == cudaDriverEntryPointSuccess && fn, "the CUDA driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
-}
 
 // A [B, T, columns] bf16 tensor (qkv: 3 H hd columns, out: H hd) seen as tiles of `rows` rows of
 // one head's Q, K, V or O in the forward's 32-byte-swizzle layout (tile_offset): dims (element of a
@@ -788,14 +745,7 @@ CUtensorMap tiles_map(const bf16* data, int B, int T, int columns, int hd, int r
   const cuuint64_t dims[4] = {16, cuuint64_t(T), cols / 16, cuuint64_t(B)};
   const cuuint64_t strides[3] = {cols * 2, 32, cuuint64_t(T) * cols * 2};  // bytes, dims 1..3
   const cuuint32_t box[4] = {16, cuuint32_t(rows), cuuint32_t(hd / 16), 1};
-  const cuuint32_t steps[4] = {1, 1, 1, 1};
-  CUtensorMap map;
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<bf16*>(data), dims,
-                                          strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  ENSURE(r == CUDA_SUCCESS, "attention resident kernels: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
-  return map;
+  return tma::encode(data, 4, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_32B, "attention resident forward");
 }
 // The same tensor seen as the backward's wide tiles (wide_offset): dims (column, row, image), box
 // 64 columns (part 0: SWIZZLE_128B) or 16 (part 1, hd 80's last columns: SWIZZLE_32B) x 64 rows.
@@ -804,14 +754,8 @@ CUtensorMap wide_map(const bf16* data, int B, int T, int columns, int part) {
   const cuuint64_t dims[3] = {cols, cuuint64_t(T), cuuint64_t(B)};
   const cuuint64_t strides[2] = {cols * 2, cuuint64_t(T) * cols * 2};  // bytes, dims 1..2
   const cuuint32_t box[3] = {part == 0 ? 64u : 16u, cuuint32_t(kQTile), 1};
-  const cuuint32_t steps[3] = {1, 1, 1};
-  CUtensorMap map;
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(data), dims,
-                                          strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          part == 0 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B,
-                                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  ENSURE(r == CUDA_SUCCESS, "attention resident backward: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
-  return map;
+  return tma::encode(data, 3, dims, strides, box, part == 0 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B,
+                     "attention resident backward");
 }
 }  // namespace
 
@@ -833,11 +777,16 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
   const auto launch = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
+    // A tensor's two maps; at hd 64 the kernel reads no columns past 64, and the second is not encoded.
+    const auto maps = [&](const bf16* data, int columns) {
+      const CUtensorMap first = wide_map(data, B, T, columns, 0);
+      return std::make_pair(first, HD > 64 ? wide_map(data, B, T, columns, 1) : first);
+    };
+    const auto qkv_maps = maps(qkv, 3 * H * HD), do_maps = maps(dout, H * HD), dqkv_maps = maps(dqkv, 3 * H * HD),
+               out_maps = maps(out, H * HD);
     attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
-        wide_map(qkv, B, T, 3 * H * HD, 0), wide_map(dout, B, T, H * HD, 0), wide_map(dqkv, B, T, 3 * H * HD, 0),
-        wide_map(qkv, B, T, 3 * H * HD, 1), wide_map(dout, B, T, H * HD, 1), wide_map(dqkv, B, T, 3 * H * HD, 1),
-        wide_map(out, B, T, H * HD, 0), wide_map(out, B, T, H * HD, 1), lse, dqkv, T, H,
-        1.0f / std::sqrt(static_cast<float>(HD)));
+        qkv_maps.first, do_maps.first, dqkv_maps.first, qkv_maps.second, do_maps.second, dqkv_maps.second,
+        out_maps.first, out_maps.second, lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});

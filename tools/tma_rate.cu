@@ -14,8 +14,6 @@
 // over it, and per CTA (median over the CTAs of the last launch) the microseconds from the
 // first load's issue to the last tile landed, and from the first store's issue to its reads done.
 // Usage: tma_rate [B H T HD ...]   (default 64 16 197 80 and 2 16 197 80: DRAM, and L2-resident)
-#include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -24,6 +22,7 @@
 #include <vector>
 
 #include "engine/check.h"
+#include "kernels/tma.cuh"
 #include "tools/event_timing.h"
 #include "tools/shape_args.h"
 
@@ -31,32 +30,6 @@ namespace {
 enum Geometry { kSw16, kSw32, kSw32Whole, kSw128, kRows };
 const char* const kNames[] = {"sw16", "sw32", "sw32x4", "sw128", "rows"};
 constexpr int kRowsPerTile = 64, kTilesPerTensor = 4, kStores = 4;
-
-__device__ __forceinline__ void load(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int dims,
-                                     uint32_t bar) {
-  if (dims == 4)
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-        : "memory");
-  else
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-        : "memory");
-}
-__device__ __forceinline__ void store(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3, int dims) {
-  if (dims == 4)
-    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
-                 : "memory");
-  else
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(c0), "r"(c1), "r"(c2), "r"(src)
-                 : "memory");
-}
 
 __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long t;
@@ -88,11 +61,11 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ Map
     const int row = t * kRowsPerTile;
     const auto one = [&](const CUtensorMap* m, uint32_t at, int c) {
       if (dims == 4) {
-        if (is_store) store(m, at, 0, row, c / chunk, b, 4);
-        else load(at, m, 0, row, c / chunk, b, 4, bar);
+        if (is_store) tma::store_4d(m, at, 0, row, c / chunk, b);
+        else tma::load_4d(at, m, 0, row, c / chunk, b, bar);
       } else {
-        if (is_store) store(m, at, c, row, b, 0, 3);
-        else load(at, m, c, row, b, 0, 3, bar);
+        if (is_store) tma::store_3d(m, at, c, row, b);
+        else tma::load_3d(at, m, c, row, b, bar);
       }
     };
     one(&maps.m[map], dst, col);
@@ -111,50 +84,33 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ Map
                  : "memory");
   const unsigned long long t1 = now_ns();
   for (int s = 0; s < kStores; s += per_box) issue(true, 0, s, base + s * tile_bytes);
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  tma::commit();  // the stores as one bulk group
+  tma::wait_read();
   const unsigned long long t2 = now_ns();
   unsigned long long* row = ns + 2 * (size_t(b) * gridDim.x + h);
   row[0] = t1 - t0, row[1] = t2 - t1;
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encoder() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-  ENSURE(found == cudaDriverEntryPointSuccess && fn, "the CUDA driver has no cuTensorMapEncodeTiled");
-  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-}
-
 // A [B, T, columns] bf16 tensor's map for geometry g; part 1: sw128's 16-column box.
 CUtensorMap make_map(Geometry g, void* data, int B, int T, int columns, int hd, int part) {
-  CUtensorMap map;
+  const std::string who = std::string("tma_rate (") + kNames[g] + ")";
   const cuuint64_t cols = cuuint64_t(columns);
-  const cuuint32_t steps[4] = {1, 1, 1, 1};
-  CUresult r;
   if (g == kSw16 || g == kSw32 || g == kSw32Whole) {
     const int chunk = g == kSw16 ? 8 : 16;
     const int rows = g == kSw32Whole ? kTilesPerTensor * kRowsPerTile : kRowsPerTile;
     const cuuint64_t dims[4] = {cuuint64_t(chunk), cuuint64_t(T), cols / chunk, cuuint64_t(B)};
     const cuuint64_t strides[3] = {cols * 2, cuuint64_t(chunk) * 2, cuuint64_t(T) * cols * 2};
     const cuuint32_t box[4] = {cuuint32_t(chunk), cuuint32_t(rows), cuuint32_t(hd / chunk), 1};
-    r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, data, dims, strides, box, steps,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, g == kSw16 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_32B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  } else {
-    const cuuint64_t dims[3] = {cols, cuuint64_t(T), cuuint64_t(B)};
-    const cuuint64_t strides[2] = {cols * 2, cuuint64_t(T) * cols * 2};
-    const int width = g == kRows ? hd : part == 0 ? 64 : 16;
-    const cuuint32_t box[3] = {cuuint32_t(width), kRowsPerTile, 1};
-    const CUtensorMapSwizzle swizzle =
-        g == kRows ? CU_TENSOR_MAP_SWIZZLE_NONE : part == 0 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B;
-    r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, data, dims, strides, box, steps,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return tma::encode(data, 4, dims, strides, box, g == kSw16 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_32B,
+                       who.c_str());
   }
-  ENSURE(r == CUDA_SUCCESS, std::string("tma_rate: cuTensorMapEncodeTiled failed for ") + kNames[g] + " (" +
-                                std::to_string(int(r)) + ")");
-  return map;
+  const cuuint64_t dims[3] = {cols, cuuint64_t(T), cuuint64_t(B)};
+  const cuuint64_t strides[2] = {cols * 2, cuuint64_t(T) * cols * 2};
+  const int width = g == kRows ? hd : part == 0 ? 64 : 16;
+  const cuuint32_t box[3] = {cuuint32_t(width), kRowsPerTile, 1};
+  return tma::encode(data, 3, dims, strides, box,
+                     g == kRows ? CU_TENSOR_MAP_SWIZZLE_NONE : part == 0 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B,
+                     who.c_str());
 }
 
 double median_of(std::vector<double> v) {
