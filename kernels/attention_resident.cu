@@ -23,14 +23,13 @@
 // from WG 0 to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta
 // (and slot t) through DELTA_t; the K tiles, after WG 0's last dQ, through DQ_DONE.
 // Shared-memory layouts:
-//   The backward's Q, dO, K, V tiles, 64 rows: columns 0-63 in the 128-byte swizzle (128-byte
-//     rows, 8 KB), at hd 80 columns 64-79 after them in the 32-byte swizzle (wide_offset). TMA
-//     writes them so (the maps end at T: zeros past it), and no warp copies anything;
-//     wide_kdesc reads a tile K-major (as A or B over hd), wide_mma MN-major (as B with K = the
-//     rows: dO, Q for dV, dK; K for dQ), at hd 80 as two MMAs 64 and 16 columns wide.
-//   The forward's tiles [rows][hd] in the 32-byte swizzle (tile_offset): hd / 16 chunks of 16
-//     columns, rows 32 bytes apart in a chunk; descriptor_sw32 reads them K-major (k16 step kk is
-//     chunk kk) or MN-major (V: LBO the chunk stride, SBO 256, k16 step j at + 512 j).
+//   Operand tiles "wide" (wide_offset): columns 0-63 in the 128-byte swizzle (128-byte rows), then
+//     at hd 80 columns 64-79 in the 32-byte swizzle, at hd 128 columns 64-127 in the 128-byte one.
+//     The backward's Q, dO, K, V, O tiles and the forward's Q, K (and V at hd 64, 128) are so. TMA
+//     writes them (the maps end at T: zeros past it), and no warp copies anything; wide_kdesc
+//     reads a tile K-major (as A or B over hd), wide_mma MN-major (as B with K = the rows: dO, Q
+//     for dV, dK; K for dQ), at hd 80 as two MMAs 64 and 16 columns wide. The forward's V at hd 80
+//     stays in 32-byte-swizzle chunks of 16 columns (chunks_mn_desc), read by one m64n80 MMA.
 //   Slot, 64 queries x 64 keys (P, then dS; written by the threads, no swizzle): vector k (keys
 //     8k..8k+7) of query r at (r/8) * 1024 + k*128 + (r%8)*16: K-major for dS as A of dQ (LBO 128,
 //     SBO 1024), MN-major for P^T and dS^T as A of dV and dK (M = keys; LBO 1024 along the
@@ -55,20 +54,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 __host__ __device__ constexpr int q_bytes(int hd) { return kQTile * hd * 2; }
 __host__ __device__ constexpr int tiles(int T) { return (T + kQTile - 1) / kQTile; }  // 64-row tiles
 
-// Byte of 16-byte vector c (columns 8c .. 8c + 7) of row r in an operand tile of `rows` rows: the
-// 32-byte-swizzle layout TMA writes (SWIZZLE_32B) and wgmma reads (descriptor_sw32). Chunk c / 2
-// (16 columns) of every row, then the next chunk; rows 32 bytes apart; halves swapped in rows
-// with r & 4. A warp's 8-row strips of one vector fall in 8 different bank quads.
-__device__ __forceinline__ uint32_t tile_offset(int rows, int r, int c) {
-  return uint32_t((c >> 1) * rows * 32 + r * 32 + (((c & 1) ^ ((r >> 2) & 1)) << 4));
-}
-// A tile as a K-major operand (K = its columns): k16 step kk is chunk kk.
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile, int rows, int kk) {
-  return wgmma::descriptor_sw32(tile + kk * rows * 32, 16, 256);
-}
-// A tile as an MN-major operand (K = its rows, N = its columns): k16 step j is rows 16j .. 16j + 15.
-__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile, int rows, int j) {
-  return wgmma::descriptor_sw32(tile + j * 512, rows * 32, 256);
+// The forward's V tiles at hd 80 stay in the 32-byte swizzle, 16-column chunks of `rows` rows
+// (32-byte rows): one m64n80 MMA reads them MN-major (LBO the chunk stride), where the wide
+// layout's two (64 + 16 columns) would make ptxas serialize the forward's MMAs (C7512). k16 step j
+// is rows 16j .. 16j + 15.
+__device__ __forceinline__ uint64_t chunks_mn_desc(uint32_t tile, int rows) {
+  return wgmma::descriptor_sw32(tile, rows * 32, 256);
 }
 // desc advanced by bytes (a multiple of 16) at the point of use: volatile, so that the compiler does
 // not hoist every step's descriptor out of a loop and hold them in registers (the forward spills).
@@ -78,20 +69,32 @@ __device__ __forceinline__ uint64_t desc_step(uint64_t desc, uint32_t bytes) {
   return out;
 }
 
-// The backward's operand tiles (64 rows) in the 128-byte swizzle: columns 0-63 as 128-byte rows
-// (8 KB; TMA writes them with SWIZZLE_128B), at hd 80 columns 64-79 after them as 32-byte rows
-// (2 KB, SWIZZLE_32B). TMA moves 128-byte rows 1.5-2.4x as fast as the forward's 32-byte ones
+// Operand tiles in the 128-byte swizzle ("wide"): a tile of R rows (64; 16 for the forward's
+// narrow last K, V tile) holds columns 0-63 as 128-byte rows (R x 128 bytes; TMA writes them with
+// SWIZZLE_128B), then at hd 80 columns 64-79 as 32-byte rows (R x 32, SWIZZLE_32B), at hd 128
+// columns 64-127 as 128-byte rows again. TMA moves 128-byte rows 1.5-2.4x as fast as 32-byte ones
 // (tools/tma_rate.cu; BENCHMARKS.md 28).
-constexpr int kWideBytes = kQTile * 128;  // the 64-column part
+constexpr int kWideBytes = kQTile * 128;  // the 64-column part of a 64-row tile
 // Byte of 16-byte vector c (columns 8c .. 8c + 7) of row r. A warp's 8-row strips of one vector
 // fall in 8 different bank quads.
-__device__ __forceinline__ uint32_t wide_offset(int r, int c) {
-  return c < 8 ? uint32_t(r * 128 + ((c ^ (r & 7)) << 4))
-               : uint32_t(kWideBytes + r * 32 + ((((c - 8) & 1) ^ ((r >> 2) & 1)) << 4));
+template <int HD>
+__device__ __forceinline__ uint32_t wide_offset(int R, int r, int c) {
+  if (c < 8) return uint32_t(r * 128 + ((c ^ (r & 7)) << 4));
+  if (HD == 128) return uint32_t(R * 128 + r * 128 + (((c - 8) ^ (r & 7)) << 4));
+  return uint32_t(R * 128 + r * 32 + ((((c - 8) & 1) ^ ((r >> 2) & 1)) << 4));
+}
+// The columns past 64 as a descriptor's base: K-major (lbo unused) or MN-major (lbo unused: one
+// group along N an MMA).
+template <int HD>
+__device__ __forceinline__ uint64_t wide_upper_desc(uint32_t tile, int R) {
+  return HD == 128 ? wgmma::descriptor_sw128(tile + R * 128, 16, 1024) : wgmma::descriptor_sw32(tile + R * 128, 16, 256);
 }
 // The tile as a K-major operand (K = its columns): k16 step kk.
-__device__ __forceinline__ uint64_t wide_kdesc(uint32_t tile, int kk) {
-  return kk < 4 ? wgmma::descriptor_sw128(tile + kk * 32, 16, 1024) : wgmma::descriptor_sw32(tile + kWideBytes, 16, 256);
+template <int HD>
+__device__ __forceinline__ uint64_t wide_kdesc(uint32_t tile, int R, int kk) {
+  if (kk < 4) return wgmma::descriptor_sw128(tile + kk * 32, 16, 1024);
+  const uint64_t upper = wide_upper_desc<HD>(tile, R);
+  return kk == 4 ? upper : desc_step(upper, (kk - 4) * 32);
 }
 // acc (+)= A B over k16 step j of the tile's rows, B the tile as an MN-major operand (K = its
 // rows, N = its HD columns): at hd 80 two MMAs, 64 and 16 columns wide (one descriptor cannot
@@ -153,23 +156,23 @@ __device__ __forceinline__ void regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 // A warpgroup's 64 x HD fp32 accumulator (rows g and g + 8 of warp w's 16 scaled by mult_lo and
-// mult_hi) as bf16 into a 64-row tile in shared memory (wide_offset's layout if kWide, else
-// tile_offset's; both conflict-free), made visible to the async proxy: after a barrier, a TMA
-// store writes it out (from the fragments directly each 32-byte sector would be written half, and
-// the warps' own copies were slow).
-template <int HD, bool kWide>
+// mult_hi) as bf16 into a 64-row tile in shared memory (wide_offset's layout, conflict-free), made
+// visible to the async proxy: after a barrier, TMA stores write it out (from the fragments
+// directly each 32-byte sector would be written half, and the warps' own copies were slow).
+template <int HD>
 __device__ __forceinline__ void stage_fragments(unsigned char* tile, const float (&acc)[HD / 2], float mult_lo,
                                                 float mult_hi, int warp, int g, int q) {
   const int row = warp * 16 + g;
 #pragma unroll
   for (int m = 0; m < HD / 8; ++m) {
-    *reinterpret_cast<uint32_t*>(tile + (kWide ? wide_offset(row, m) : tile_offset(kQTile, row, m)) + 4 * q) =
+    *reinterpret_cast<uint32_t*>(tile + wide_offset<HD>(kQTile, row, m) + 4 * q) =
         pack_bf16x2(acc[4 * m] * mult_lo, acc[4 * m + 1] * mult_lo);
-    *reinterpret_cast<uint32_t*>(tile + (kWide ? wide_offset(row + 8, m) : tile_offset(kQTile, row + 8, m)) + 4 * q) =
+    *reinterpret_cast<uint32_t*>(tile + wide_offset<HD>(kQTile, row + 8, m) + 4 * q) =
         pack_bf16x2(acc[4 * m + 2] * mult_hi, acc[4 * m + 3] * mult_hi);
   }
   wgmma::fence_proxy_async();
 }
+
 // Phase stamps (kernels/attention_trace.h): code only in the traced build.
 using namespace attention_trace;
 #ifdef ATTENTION_TRACE
@@ -301,11 +304,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma::fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma::Mma<W>::ss(sc, wide_kdesc(q_i, kk), wide_kdesc(s_k + c * kTile, kk), kk > 0);
+          wgmma::Mma<W>::ss(sc, wide_kdesc<HD>(q_i, kQTile, kk), wide_kdesc<HD>(s_k + c * kTile, kQTile, kk), kk > 0);
         wgmma::commit();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma::Mma<W>::ss(dp, wide_kdesc(do_i, kk), wide_kdesc(s_v + c * kTile, kk), kk > 0);
+          wgmma::Mma<W>::ss(dp, wide_kdesc<HD>(do_i, kQTile, kk), wide_kdesc<HD>(s_v + c * kTile, kQTile, kk), kk > 0);
         wgmma::commit();
         wgmma::wait<1>();  // S: P = exp(S scale - lse) while dP is in flight; 0 for keys at or past T
 #pragma unroll
@@ -358,13 +361,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < N; ++c)
 #pragma unroll
           for (int kk = 0; kk < HD / 16; ++kk)
-            wgmma::Mma<16>::ss(st[c], wide_kdesc(s_k + c * kTile, kk), wide_kdesc(q_i, kk), kk > 0);
+            wgmma::Mma<16>::ss(st[c], wide_kdesc<HD>(s_k + c * kTile, kQTile, kk), wide_kdesc<HD>(q_i, kQTile, kk), kk > 0);
         wgmma::commit();
 #pragma unroll
         for (int c = 0; c < N; ++c)
 #pragma unroll
           for (int kk = 0; kk < HD / 16; ++kk)
-            wgmma::Mma<16>::ss(dpt[c], wide_kdesc(s_v + c * kTile, kk), wide_kdesc(do_i, kk), kk > 0);
+            wgmma::Mma<16>::ss(dpt[c], wide_kdesc<HD>(s_v + c * kTile, kQTile, kk), wide_kdesc<HD>(do_i, kQTile, kk), kk > 0);
         wgmma::commit();
         if (i == 0)
           for (int c = 0; c < N; ++c) bar_sync(kDelta + c, 256);  // WG 2 has written the deltas, is done with the slots' O
@@ -462,8 +465,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (r < T) {
 #pragma unroll
           for (int c = 0; c < HD / 16; ++c) {
-            const uint4 d = *reinterpret_cast<const uint4*>(do_tile + wide_offset(x / 2, 2 * c + half));
-            const uint4 o = *reinterpret_cast<const uint4*>(o_tile + wide_offset(x / 2, 2 * c + half));
+            const uint4 d = *reinterpret_cast<const uint4*>(do_tile + wide_offset<HD>(kQTile, x / 2, 2 * c + half));
+            const uint4 o = *reinterpret_cast<const uint4*>(o_tile + wide_offset<HD>(kQTile, x / 2, 2 * c + half));
             const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -536,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int t = 0; t < 2; ++t) {
         const float mult = part == 0 ? 1.0f : scale;
         if (2 * j + t < n)
-          stage_fragments<HD, true>(smem + (tiles - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
+          stage_fragments<HD>(smem + (tiles - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
       if (issuer) {
@@ -576,30 +579,34 @@ __host__ __device__ constexpr int last_width(int T) {  // key columns computed i
   // 16 or 64 (a third width, 32, makes ptxas spill at hd 80)
   return T - (tiles(T) - 1) * kQTile <= 16 ? 16 : 64;
 }
-__host__ __device__ constexpr int kv_rows(int T) { return (tiles(T) - 1) * kQTile + last_width(T); }
-__host__ __device__ constexpr int fwd_smem_bytes(int T, int hd) {
-  return tiles(T) * q_bytes(hd) + 2 * kv_rows(T) * hd * 2 + 8 * 4;
+// Bytes of the K (or V) tiles: whole ones, the last 16 rows where that covers it, padded to 1024
+// bytes (the 128-byte swizzle's alignment, for V's first tile).
+__host__ __device__ constexpr int kv_bytes(int T, int hd) {
+  return (tiles(T) - 1) * q_bytes(hd) + (last_width(T) == kQTile ? q_bytes(hd) : (16 * hd * 2 + 1023) / 1024 * 1024);
 }
+__host__ __device__ constexpr int fwd_smem_bytes(int T, int hd) { return tiles(T) * q_bytes(hd) + 2 * kv_bytes(T, hd) + 8 * 4; }
 
 template <int HD>
 __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O alone is 64 registers
-    attention_forward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap narrow_map,
-                                      const __grid_constant__ CUtensorMap out_map, float* __restrict__ lse, int T, int H,
-                                      float scale) {
+    attention_forward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap qkv_upper,
+                                      const __grid_constant__ CUtensorMap narrow_map, const __grid_constant__ CUtensorMap narrow_upper,
+                                      const __grid_constant__ CUtensorMap v_chunks, const __grid_constant__ CUtensorMap v_chunks_narrow,
+                                      const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap out_upper,
+                                      float* __restrict__ lse, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = trace_row();
   constexpr int kTile = q_bytes(HD);
-  const int n = tiles(T), rows_kv = kv_rows(T);
-  const uint32_t s_q = smem_addr(smem), s_k = s_q + n * kTile, s_v = s_k + rows_kv * HD * 2,
-                 s_bar = s_v + rows_kv * HD * 2;
+  const int n = tiles(T);
+  const uint32_t s_q = smem_addr(smem), s_k = s_q + n * kTile, s_v = s_k + kv_bytes(T, HD), s_bar = s_v + kv_bytes(T, HD);
   const int h = blockIdx.x, b = blockIdx.y;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
   const int last_rows = last_width(T);  // rows of the last K and V tiles (16 or 64)
 
-  // Every tile comes by TMA, issued by thread 0, tile t (Q, K, V) on mbarrier t; rows at or past T
-  // arrive as zeros (the tensor maps end at T: K's then get probability 0 by the mask, and V's add
-  // nothing). The last K and V tiles, if 16 rows, through narrow_map.
+  // Every tile comes by TMA, issued by thread 0, tile t (Q, K, V) on mbarrier t, in the wide layout
+  // (columns 0-63, then 64-HD through the *_upper maps); rows at or past T arrive as zeros (the
+  // tensor maps end at T: K's then get probability 0 by the mask, and V's add nothing). The last K
+  // and V tiles, if 16 rows, through the narrow maps.
   if (threadIdx.x == 0)
     for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, 1);
   if (threadIdx.x == 0) trace_start(tr);
@@ -612,9 +619,18 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
                    "r"(kTile + 2 * (narrow ? last_rows : kQTile) * HD * 2)
                    : "memory");
-      for (int part = 0; part < 3; ++part)
-        tma::load_4d((part == 0 ? s_q : part == 1 ? s_k : s_v) + t * kTile, part > 0 && narrow ? &narrow_map : &qkv_map, 0,
-                     t * kQTile, (part * H + h) * HD / 16, b, bar);
+      for (int part = 0; part < 3; ++part) {  // Q, K, V
+        const bool sixteen = part > 0 && narrow;
+        const uint32_t dst = (part == 0 ? s_q : part == 1 ? s_k : s_v) + t * kTile;
+        const int col = (part * H + h) * HD;
+        if (HD == 80 && part == 2) {  // V at hd 80: 32-byte-swizzle chunks (chunks_mn_desc)
+          tma::load_4d(dst, sixteen ? &v_chunks_narrow : &v_chunks, 0, t * kQTile, col / 16, b, bar);
+          continue;
+        }
+        tma::load_3d(dst, sixteen ? &narrow_map : &qkv_map, col, t * kQTile, b, bar);
+        if (HD > 64)
+          tma::load_3d(dst + (sixteen ? 16 : kQTile) * 128, sixteen ? &narrow_upper : &qkv_upper, col + 64, t * kQTile, b, bar);
+      }
     }
     trace(tr, kFwdIssued);
   }
@@ -638,11 +654,13 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
       if (threadIdx.x % 128 == 0 && i == wg) trace(tr, kFwdLanded + 4 * wg + c);
       wgmma::fence_proxy_async();
       wgmma::fence();
-      // K_c and V_c have W rows (64, or 16 in a narrow last tile): their chunks are W * 32 bytes apart.
-      const uint64_t q_desc = kmajor_desc(q_i, kQTile, 0), k_desc = kmajor_desc(s_k + c * kTile, W, 0);
+      // K_c and V_c have W rows (64, or 16 in a narrow last tile): their columns past 64 start at W * 128.
+      const uint32_t k_c = s_k + c * kTile;
+      const uint64_t q_desc = wgmma::descriptor_sw128(q_i, 16, 1024), k_desc = wgmma::descriptor_sw128(k_c, 16, 1024);
 #pragma unroll
       for (int kk = 0; kk < HD / 16; ++kk)
-        wgmma::Mma<W>::ss(sc, desc_step(q_desc, kk * kQTile * 32), desc_step(k_desc, kk * W * 32), kk > 0);
+        wgmma::Mma<W>::ss(sc, kk < 4 ? desc_step(q_desc, kk * 32) : wide_kdesc<HD>(q_i, kQTile, kk),
+                          kk < 4 ? desc_step(k_desc, kk * 32) : wide_kdesc<HD>(k_c, W, kk), kk > 0);
       wgmma::commit();
       wgmma::wait<0>();  // S, and O += P V of chunk c - 1 (o and pa are free)
       if (c + 1 == n) {  // keys at or past T: score -inf, probability 0
@@ -687,9 +705,19 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
         o[4 * e + 2] *= corr_hi, o[4 * e + 3] *= corr_hi;
       }
       wgmma::fence();  // o and pa written before the wgmmas read them
-      const uint64_t v_desc = mnmajor_desc(s_v + c * kTile, W, 0);
+      // V_c as B MN-major: at hd 80 its chunks in one MMA; else wide, columns 0-63 in one MMA and
+      // at hd 128 columns 64-127 in another.
+      const uint32_t v_c = s_v + c * kTile;
 #pragma unroll
-      for (int kk = 0; kk < W / 16; ++kk) wgmma::Mma<HD>::rs_bt(o, pa[kk], desc_step(v_desc, kk * 512), 1);
+      for (int kk = 0; kk < W / 16; ++kk) {
+        if constexpr (HD == 80) {
+          wgmma::Mma<80>::rs_bt(o, pa[kk], desc_step(chunks_mn_desc(v_c, W), kk * 512), 1);
+        } else {
+          wgmma::Mma<64>::rs_bt(o, pa[kk], desc_step(wgmma::descriptor_sw128(v_c, 16, 1024), kk * 2048), 1);
+          if constexpr (HD == 128)
+            wgmma::Mma<64>::rs_bt<32>(o, pa[kk], desc_step(wide_upper_desc<HD>(v_c, W), kk * 2048), 1);
+        }
+      }
       wgmma::commit();
       if (threadIdx.x % 128 == 0) trace(tr, kFwdChunk + 4 * i + c);
     };
@@ -712,12 +740,16 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
     }
     // O / l as bf16 through this warpgroup's Q_i tile (its last reader, S, has completed), stored by TMA.
     bar_sync(1 + wg, 128);  // every warp of the warpgroup is past its S products
-    stage_fragments<HD, false>(smem + i * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
+    stage_fragments<HD>(smem + i * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
     bar_sync(1 + wg, 128);
     if (threadIdx.x % 128 == 0) {
       trace(tr, kFwdStaged + i);
-      tma::store_4d(&out_map, q_i, 0, i * kQTile, h * HD / 16, b);
+      tma::store_3d(&out_map, q_i, h * HD, i * kQTile, b);
       tma::commit();
+      if (HD > 64) {
+        tma::store_3d(&out_upper, q_i + kWideBytes, h * HD + 64, i * kQTile, b);
+        tma::commit();
+      }
       trace(tr, kFwdStored + i);
     }
   }
@@ -734,28 +766,28 @@ bool resident_fits(int T, int smem, const DeviceInfo& info) {
   return T >= 1 && T <= 4 * kQTile && info.major == 9 && info.minor == 0 && smem <= info.smem_optin;
 }
 
-
-// A [B, T, columns] bf16 tensor (qkv: 3 H hd columns, out: H hd) seen as tiles of `rows` rows of
-// one head's Q, K, V or O in the forward's 32-byte-swizzle layout (tile_offset): dims (element of a
-// 16-column chunk, row, chunk, image), strides (row, 32 bytes, image), box {16, rows, hd / 16, 1}:
-// chunk after chunk, 32-byte rows, swizzled by the TMA unit. Rows end at T: a box past them is
-// filled with zeros.
-CUtensorMap tiles_map(const bf16* data, int B, int T, int columns, int hd, int rows) {
+// A [B, T, columns] bf16 tensor seen as tiles of `rows` rows of one head's V in 32-byte-swizzle
+// chunks (chunks_mn_desc): dims (element of a 16-column chunk, row, chunk, image), box {16, rows,
+// hd / 16, 1}. Rows end at T: a box past them is filled with zeros.
+CUtensorMap chunks_map(const bf16* data, int B, int T, int columns, int hd, int rows) {
   const cuuint64_t cols = cuuint64_t(columns);
   const cuuint64_t dims[4] = {16, cuuint64_t(T), cols / 16, cuuint64_t(B)};
   const cuuint64_t strides[3] = {cols * 2, 32, cuuint64_t(T) * cols * 2};  // bytes, dims 1..3
   const cuuint32_t box[4] = {16, cuuint32_t(rows), cuuint32_t(hd / 16), 1};
   return tma::encode(data, 4, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_32B, "attention resident forward");
 }
-// The same tensor seen as the backward's wide tiles (wide_offset): dims (column, row, image), box
-// 64 columns (part 0: SWIZZLE_128B) or 16 (part 1, hd 80's last columns: SWIZZLE_32B) x 64 rows.
-CUtensorMap wide_map(const bf16* data, int B, int T, int columns, int part) {
+// A [B, T, columns] bf16 tensor (qkv: 3 H hd columns, out, dout: H hd) seen as wide tiles
+// (wide_offset) of `rows` rows of one head's Q, K, V, O or dO: dims (column, row, image), box
+// 64 columns (part 0: SWIZZLE_128B) or the columns past 64 (part 1: 16 at hd 80, SWIZZLE_32B; 64
+// at hd 128, SWIZZLE_128B) x rows. Rows end at T: a box past them is filled with zeros.
+CUtensorMap wide_map(const bf16* data, int B, int T, int columns, int hd, int rows, int part) {
   const cuuint64_t cols = cuuint64_t(columns);
   const cuuint64_t dims[3] = {cols, cuuint64_t(T), cuuint64_t(B)};
   const cuuint64_t strides[2] = {cols * 2, cuuint64_t(T) * cols * 2};  // bytes, dims 1..2
-  const cuuint32_t box[3] = {part == 0 ? 64u : 16u, cuuint32_t(kQTile), 1};
-  return tma::encode(data, 3, dims, strides, box, part == 0 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B,
-                     "attention resident backward");
+  const bool swizzle128 = part == 0 || hd == 128;
+  const cuuint32_t box[3] = {swizzle128 ? 64u : 16u, cuuint32_t(rows), 1};
+  return tma::encode(data, 3, dims, strides, box, swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B,
+                     "attention resident kernels");
 }
 }  // namespace
 
@@ -779,8 +811,8 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
     // A tensor's two maps; at hd 64 the kernel reads no columns past 64, and the second is not encoded.
     const auto maps = [&](const bf16* data, int columns) {
-      const CUtensorMap first = wide_map(data, B, T, columns, 0);
-      return std::make_pair(first, HD > 64 ? wide_map(data, B, T, columns, 1) : first);
+      const CUtensorMap first = wide_map(data, B, T, columns, HD, kQTile, 0);
+      return std::make_pair(first, HD > 64 ? wide_map(data, B, T, columns, HD, kQTile, 1) : first);
     };
     const auto qkv_maps = maps(qkv, 3 * H * HD), do_maps = maps(dout, H * HD), dqkv_maps = maps(dqkv, 3 * H * HD),
                out_maps = maps(out, H * HD);
@@ -811,10 +843,16 @@ void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, i
   const auto launch = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
-    const CUtensorMap qkv_tiles = tiles_map(qkv, B, T, 3 * H * HD, HD, kQTile);
+    // The maps of columns past 64 (part 1) and of 16-row tiles only where the shape uses them.
+    const bool upper = HD > 64, narrow = last_width(T) < kQTile;
+    const CUtensorMap qkv64 = wide_map(qkv, B, T, 3 * H * HD, HD, kQTile, 0), out64 = wide_map(out, B, T, H * HD, HD, kQTile, 0);
+    const CUtensorMap qkv16 = narrow ? wide_map(qkv, B, T, 3 * H * HD, HD, 16, 0) : qkv64;
+    const CUtensorMap v64 = HD == 80 ? chunks_map(qkv, B, T, 3 * H * HD, HD, kQTile) : qkv64;
     attention_forward_resident_kernel<HD><<<dim3(H, B), kFwdThreads, fwd_smem_bytes(T, HD), stream>>>(
-        qkv_tiles, last_width(T) < kQTile ? tiles_map(qkv, B, T, 3 * H * HD, HD, last_width(T)) : qkv_tiles,
-        tiles_map(out, B, T, H * HD, HD, kQTile), lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+        qkv64, upper ? wide_map(qkv, B, T, 3 * H * HD, HD, kQTile, 1) : qkv64, qkv16,
+        upper && narrow ? wide_map(qkv, B, T, 3 * H * HD, HD, 16, 1) : qkv16, v64,
+        HD == 80 && narrow ? chunks_map(qkv, B, T, 3 * H * HD, HD, 16) : v64, out64,
+        upper ? wide_map(out, B, T, H * HD, HD, kQTile, 1) : out64, lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});

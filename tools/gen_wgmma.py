@@ -8,7 +8,7 @@ these by hand). Run from the repository root: python3 tools/gen_wgmma.py > kerne
 
 SHAPES = (16, 32, 64, 80)  # N: 64 keys (S, dP; 16 or 32 in a last, partial key tile), the head dims (dQ, dK, dV)
 
-RS_SHAPES = (64, 80, 128)  # O += P V in the forward: N = the head dim
+RS_SHAPES = (64, 80)  # O += P V in the forward: N = the head dim (128 as 2 x 64)
 
 # name, transpose A, transpose B, comment
 VARIANTS = (
@@ -42,12 +42,12 @@ def wrapper(n, name, tnsp_a, tnsp_b, comment):
 def wrapper_rs(n):
     k = n // 2
     acc = ", ".join(f"%{i}" for i in range(k))
-    operands = ", ".join(f'"+f"(d[{i}])' for i in range(k))
-    return f'''  // d (+)= A B, A [64 x 16] bf16 pairs in registers (a[4], the m16n8k16 A layout per warp), B [16 x N]
+    operands = ", ".join(f'"+f"(d[O + {i}])' for i in range(k))
+    return f'''  // d[O ..] (+)= A B, A [64 x 16] bf16 pairs in registers (a[4], the m16n8k16 A layout per warp), B [16 x N]
   // MN-major (N contiguous) in shared memory (descriptor).
-  template <int M>
+  template <int O = 0, int M>
   __device__ __forceinline__ static void rs_bt(float (&d)[M], const uint32_t (&a)[4], uint64_t b, int accumulate) {{
-    static_assert(M >= {k}, "accumulator array too small");
+    static_assert(M >= O + {k}, "accumulator array too small");
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 5}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{acc}}}, {{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, p, 1, 1, 1;\\n}}\\n"
