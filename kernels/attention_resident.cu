@@ -5,7 +5,8 @@
 // (attention.cu) read the other side 4 times over and compute both twice.
 // Three warpgroups:
 //   WG 0 (rows): per query tile i and key tile c: S = Q_i K_c^T, dP = dO_i V_c^T, P, and
-//     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots.
+//     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots, staged in
+//     Q_{i-1}'s tile (free by then) and stored by TMA.
 //   WG 1, WG 2 (keys): WG 1 + j owns key tiles 2j and 2j + 1 and accumulates dV_c += P^T dO_i and
 //     dK_c += dS^T Q_i from slot c (A = P^T, dS^T: the slot read MN-major). That is 160 fp32
 //     registers a thread, which they take from WG 0 (setmaxnreg). Before that WG 1 issues every
@@ -122,8 +123,13 @@ static_assert(kWg0Regs + 2 * kKeyRegs <= 3 * (65536 / kThreads / 8 * 8), "more r
 // reuses DELTA_0, whose one use ends at query tile 0.
 enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10, kDqDone = kDelta, kKeys = 14 };
 
-// Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); then the 4 mbarriers.
-__host__ __device__ constexpr int smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512) + 8 * 4; }
+// Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); where it fits in sm_90's
+// 227 KB (all but hd 80 at 4 tiles), one tile for WG 0 to stage dQ_0 in; then the 4 mbarriers.
+__host__ __device__ constexpr int tiles_smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512); }
+__host__ __device__ constexpr bool dq0_tile(int n, int hd) { return tiles_smem_bytes(n, hd) + q_bytes(hd) + 8 * 4 <= 227 * 1024; }
+__host__ __device__ constexpr int smem_bytes(int n, int hd) {
+  return tiles_smem_bytes(n, hd) + (dq0_tile(n, hd) ? q_bytes(hd) : 0) + 8 * 4;
+}
 
 __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
@@ -225,10 +231,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kTile = q_bytes(HD);
   const int n = tiles(T);
   const uint32_t s_q = smem_addr(smem), s_do = s_q + n * kTile, s_k = s_do + n * kTile, s_v = s_k + n * kTile;
-  const uint32_t s_slot = s_v + n * kTile, s_stats = s_slot + n * kSlotBytes, s_bar = s_stats + n * 512;
+  const uint32_t s_slot = s_v + n * kTile, s_dq0 = s_slot + n * kSlotBytes,
+                 s_stats = s_dq0 + (dq0_tile(n, HD) ? kTile : 0), s_bar = s_stats + n * 512;
   const int h = blockIdx.x, b = blockIdx.y;
-  const int D = H * HD;
-  const size_t ld = 3 * size_t(D);
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
   // k16 steps that cover the last tile's rows (as keys of dQ, as queries of dK and dV): the rest
@@ -289,7 +294,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float scale_log2 = scale * kLog2e;
     const float* stats = reinterpret_cast<const float*>(smem + (s_stats - s_q));
     for (int i = 0; i < n; ++i) {
-      const int r_lo = i * kQTile + warp * 16 + g, r_hi = r_lo + 8;
       const uint32_t q_i = s_q + i * kTile, do_i = s_do + i * kTile;
       float l_lo = 0.0f, l_hi = 0.0f, d_lo = 0.0f, d_hi = 0.0f;
       // Key tile c, its first W columns: 64, or in the last tile the 16 or 32 that cover its keys.
@@ -435,19 +439,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::wait<0>();
       if (threadIdx.x == 0) trace(tr, kBwdDqComplete + i);
       if (i + 1 == n) bar_arrive(kDqDone, n > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
-      bf16* dq_dst = dqkv + size_t(b) * T * ld + h * HD;
+      // dQ (times the scale) as bf16, staged and stored by TMA: Q_{i-1}'s tile is free (both key
+      // warpgroups are done with query tile i - 1: WG 0 has passed every EMPTY_c above), dQ_0
+      // goes through its own tile where that fits. Else (hd 80 at 4 tiles) dQ_0 is stored from the
+      // fragments, whose stores touch 8 rows' 16-byte pieces a warp and take ~0.6 us a tile.
+      if (i > 0 || dq0_tile(n, HD)) {
+        const uint32_t staging = i > 0 ? s_q + (i - 1) * kTile : s_dq0;
+        stage_fragments<HD>(smem + (staging - s_q), dq, scale, scale, warp, g, q);
+        bar_sync(kRows, 128);
+        if (threadIdx.x == 0) {
+          tma::store_3d(&dqkv_map, staging, h * HD, i * kQTile, b);
+          if (HD > 64) tma::store_3d(&dqkv_tail, staging + kWideBytes, h * HD + 64, i * kQTile, b);
+          tma::commit();
+        }
+      } else {
+        bf16* dq_dst = dqkv + size_t(b) * T * 3 * H * HD + h * HD;
+        const int r_lo = warp * 16 + g, r_hi = r_lo + 8;  // query tile 0's
 #pragma unroll
-      for (int m = 0; m < HD / 8; ++m) {
-        const int col = 8 * m + 2 * q;
-        if (r_lo < T)
-          *reinterpret_cast<uint32_t*>(dq_dst + size_t(r_lo) * ld + col) =
-              pack_bf16x2(dq[4 * m] * scale, dq[4 * m + 1] * scale);
-        if (r_hi < T)
-          *reinterpret_cast<uint32_t*>(dq_dst + size_t(r_hi) * ld + col) =
-              pack_bf16x2(dq[4 * m + 2] * scale, dq[4 * m + 3] * scale);
+        for (int m = 0; m < HD / 8; ++m) {
+          const int col = 8 * m + 2 * q;
+          if (r_lo < T)
+            *reinterpret_cast<uint32_t*>(dq_dst + size_t(r_lo) * 3 * H * HD + col) =
+                pack_bf16x2(dq[4 * m] * scale, dq[4 * m + 1] * scale);
+          if (r_hi < T)
+            *reinterpret_cast<uint32_t*>(dq_dst + size_t(r_hi) * 3 * H * HD + col) =
+                pack_bf16x2(dq[4 * m + 2] * scale, dq[4 * m + 3] * scale);
+        }
       }
       if (threadIdx.x == 0) trace(tr, kBwdDqStored + i);
     }
+    if (threadIdx.x == 0) tma::wait_read();  // before the CTA exits
     trace_end(tr);
   } else {  // keys: dV, dK for key tiles 2j, 2j + 1
     regs_inc<kKeyRegs>();
