@@ -6,7 +6,7 @@
 // Three warpgroups:
 //   WG 0 (rows): per query tile i and key tile c: S = Q_i K_c^T, dP = dO_i V_c^T, P, and
 //     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots, staged in
-//     Q_{i-1}'s tile (free by then) and stored by TMA.
+//     Q_i's tile once the key warpgroups are done with it, and stored by TMA.
 //   WG 1, WG 2 (keys): WG 1 + j owns key tiles 2j and 2j + 1 and accumulates dV_c += P^T dO_i and
 //     dK_c += dS^T Q_i from slot c (A = P^T, dS^T: the slot read MN-major). That is 160 fp32
 //     registers a thread, which they take from WG 0 (setmaxnreg). Before that WG 1 issues every
@@ -123,13 +123,8 @@ static_assert(kWg0Regs + 2 * kKeyRegs <= 3 * (65536 / kThreads / 8 * 8), "more r
 // reuses DELTA_0, whose one use ends at query tile 0.
 enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10, kDqDone = kDelta, kKeys = 14 };
 
-// Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); where it fits in sm_90's
-// 227 KB (all but hd 80 at 4 tiles), one tile for WG 0 to stage dQ_0 in; then the 4 mbarriers.
-__host__ __device__ constexpr int tiles_smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512); }
-__host__ __device__ constexpr bool dq0_tile(int n, int hd) { return tiles_smem_bytes(n, hd) + q_bytes(hd) + 8 * 4 <= 227 * 1024; }
-__host__ __device__ constexpr int smem_bytes(int n, int hd) {
-  return tiles_smem_bytes(n, hd) + (dq0_tile(n, hd) ? q_bytes(hd) : 0) + 8 * 4;
-}
+// Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); then the 4 mbarriers.
+__host__ __device__ constexpr int smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512) + 8 * 4; }
 
 __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
@@ -225,14 +220,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                                        const __grid_constant__ CUtensorMap dqkv_map, const __grid_constant__ CUtensorMap qkv_tail,
                                        const __grid_constant__ CUtensorMap do_tail, const __grid_constant__ CUtensorMap dqkv_tail,
                                        const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap out_tail,
-                                       const float* __restrict__ lse, bf16* __restrict__ dqkv, int T, int H, float scale) {
+                                       const float* __restrict__ lse, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = trace_row();
   constexpr int kTile = q_bytes(HD);
   const int n = tiles(T);
   const uint32_t s_q = smem_addr(smem), s_do = s_q + n * kTile, s_k = s_do + n * kTile, s_v = s_k + n * kTile;
-  const uint32_t s_slot = s_v + n * kTile, s_dq0 = s_slot + n * kSlotBytes,
-                 s_stats = s_dq0 + (dq0_tile(n, HD) ? kTile : 0), s_bar = s_stats + n * 512;
+  const uint32_t s_slot = s_v + n * kTile, s_stats = s_slot + n * kSlotBytes, s_bar = s_stats + n * 512;
   const int h = blockIdx.x, b = blockIdx.y;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
@@ -328,7 +322,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma::wait<0>();
         if (i == 0) bar_sync(kDelta + c, 256);  // WG 2 has written tile c's delta and is done with slot c's O
         if (c == 0) d_lo = stats[i * 128 + 64 + warp * 16 + g], d_hi = stats[i * 128 + 64 + warp * 16 + g + 8];
-        if (i > 0) bar_sync(kEmpty + c, 256);  // the owner is done with tile i - 1's slot c
         // P and dS = P (dP - delta) into the slot's first W columns as bf16 pairs.
         const uint32_t slot = s_slot + c * kSlotBytes;
         const int row = warp * 16 + g;
@@ -390,8 +383,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             st[c][x] = key < T ? exp2_approx(fmaf(st[c][x], scale_log2, -lq[2 * (x >> 2) + (x & 1)])) : 0.0f;
           }
         wgmma::wait<0>();
-        if (i > 0)
-          for (int c = 0; c < N; ++c) bar_sync(kEmpty + c, 256);  // the owners are done with tile i - 1's slots
 #pragma unroll
         for (int c = 0; c < N; ++c) {
 #pragma unroll
@@ -439,32 +430,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::wait<0>();
       if (threadIdx.x == 0) trace(tr, kBwdDqComplete + i);
       if (i + 1 == n) bar_arrive(kDqDone, n > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
-      // dQ (times the scale) as bf16, staged and stored by TMA: Q_{i-1}'s tile is free (both key
-      // warpgroups are done with query tile i - 1: WG 0 has passed every EMPTY_c above), dQ_0
-      // goes through its own tile where that fits. Else (hd 80 at 4 tiles) dQ_0 is stored from the
-      // fragments, whose stores touch 8 rows' 16-byte pieces a warp and take ~0.6 us a tile.
-      if (i > 0 || dq0_tile(n, HD)) {
-        const uint32_t staging = i > 0 ? s_q + (i - 1) * kTile : s_dq0;
-        stage_fragments<HD>(smem + (staging - s_q), dq, scale, scale, warp, g, q);
-        bar_sync(kRows, 128);
-        if (threadIdx.x == 0) {
-          tma::store_3d(&dqkv_map, staging, h * HD, i * kQTile, b);
-          if (HD > 64) tma::store_3d(&dqkv_tail, staging + kWideBytes, h * HD + 64, i * kQTile, b);
-          tma::commit();
-        }
-      } else {
-        bf16* dq_dst = dqkv + size_t(b) * T * 3 * H * HD + h * HD;
-        const int r_lo = warp * 16 + g, r_hi = r_lo + 8;  // query tile 0's
+      // Both key warpgroups done with query tile i (EMPTY_c: its slots, Q_i and dO_i are free), dQ
+      // (times the scale) as bf16 staged in Q_i's tile and stored by TMA. (From the fragments each
+      // warp's stores touch 8 rows' 16-byte pieces: ~0.6 us a tile.) By now the key warpgroups are
+      // mostly done: their products of the last slot take less than the dQ MMAs above.
 #pragma unroll
-        for (int m = 0; m < HD / 8; ++m) {
-          const int col = 8 * m + 2 * q;
-          if (r_lo < T)
-            *reinterpret_cast<uint32_t*>(dq_dst + size_t(r_lo) * 3 * H * HD + col) =
-                pack_bf16x2(dq[4 * m] * scale, dq[4 * m + 1] * scale);
-          if (r_hi < T)
-            *reinterpret_cast<uint32_t*>(dq_dst + size_t(r_hi) * 3 * H * HD + col) =
-                pack_bf16x2(dq[4 * m + 2] * scale, dq[4 * m + 3] * scale);
-        }
+      for (int c = 0; c < 4; ++c)
+        if (c < n) bar_sync(kEmpty + c, 256);
+      stage_fragments<HD>(smem + i * kTile, dq, scale, scale, warp, g, q);
+      bar_sync(kRows, 128);
+      if (threadIdx.x == 0) {
+        tma::store_3d(&dqkv_map, q_i, h * HD, i * kQTile, b);
+        if (HD > 64) tma::store_3d(&dqkv_tail, q_i + kWideBytes, h * HD + 64, i * kQTile, b);
+        tma::commit();
       }
       if (threadIdx.x == 0) trace(tr, kBwdDqStored + i);
     }
@@ -542,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::wait<0>();
       // (Not at hd 80: there this stamp made the traced build spill, slowing the key warpgroups.)
       if (HD != 80 && threadIdx.x % 128 == 0) trace(tr, kBwdProducts + 4 * j + i);
-      if (i + 1 < n)
+      if (i + 1 < n)  // (after the last query tile: below, once dV is staged)
 #pragma unroll
         for (int t = 0; t < 2; ++t)
           if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
@@ -563,6 +541,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           stage_fragments<HD>(smem + (tiles - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
+      if (part == 0)  // done with the last query tile's Q: WG 0 stages its dQ there
+        for (int t = 0; t < 2; ++t)
+          if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
       if (issuer) {
         trace(tr, kBwdStaged + 2 * part + j);
         for (int c = 2 * j; c < min(2 * j + 2, n); ++c) {
@@ -839,7 +820,7 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
                out_maps = maps(out, H * HD);
     attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
         qkv_maps.first, do_maps.first, dqkv_maps.first, qkv_maps.second, do_maps.second, dqkv_maps.second,
-        out_maps.first, out_maps.second, lse, dqkv, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+        out_maps.first, out_maps.second, lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});
