@@ -800,6 +800,12 @@ CUtensorMap wide_map(const bf16* data, int B, int T, int columns, int hd, int ro
   return tma::encode(data, 3, dims, strides, box, swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B,
                      "attention resident kernels");
 }
+// A tensor's two wide maps of `rows`-row tiles: columns 0-63, and those past 64 (at hd 64, where
+// the kernels read none, the first again: not encoded).
+std::pair<CUtensorMap, CUtensorMap> wide_maps(const bf16* data, int B, int T, int columns, int hd, int rows) {
+  const CUtensorMap first = wide_map(data, B, T, columns, hd, rows, 0);
+  return {first, hd > 64 ? wide_map(data, B, T, columns, hd, rows, 1) : first};
+}
 }  // namespace
 
 #ifdef ATTENTION_TRACE
@@ -820,13 +826,9 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
   const auto launch = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
-    // A tensor's two maps; at hd 64 the kernel reads no columns past 64, and the second is not encoded.
-    const auto maps = [&](const bf16* data, int columns) {
-      const CUtensorMap first = wide_map(data, B, T, columns, HD, kQTile, 0);
-      return std::make_pair(first, HD > 64 ? wide_map(data, B, T, columns, HD, kQTile, 1) : first);
-    };
-    const auto qkv_maps = maps(qkv, 3 * H * HD), do_maps = maps(dout, H * HD), dqkv_maps = maps(dqkv, 3 * H * HD),
-               out_maps = maps(out, H * HD);
+    const auto qkv_maps = wide_maps(qkv, B, T, 3 * H * HD, HD, kQTile);
+    const auto do_maps = wide_maps(dout, B, T, H * HD, HD, kQTile), out_maps = wide_maps(out, B, T, H * HD, HD, kQTile);
+    const auto dqkv_maps = wide_maps(dqkv, B, T, 3 * H * HD, HD, kQTile);
     attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
         qkv_maps.first, do_maps.first, dqkv_maps.first, qkv_maps.second, do_maps.second, dqkv_maps.second,
         out_maps.first, out_maps.second, lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
@@ -854,16 +856,15 @@ void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, i
   const auto launch = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
     prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
-    // The maps of columns past 64 (part 1) and of 16-row tiles only where the shape uses them.
-    const bool upper = HD > 64, narrow = last_width(T) < kQTile;
-    const CUtensorMap qkv64 = wide_map(qkv, B, T, 3 * H * HD, HD, kQTile, 0), out64 = wide_map(out, B, T, H * HD, HD, kQTile, 0);
-    const CUtensorMap qkv16 = narrow ? wide_map(qkv, B, T, 3 * H * HD, HD, 16, 0) : qkv64;
-    const CUtensorMap v64 = HD == 80 ? chunks_map(qkv, B, T, 3 * H * HD, HD, kQTile) : qkv64;
+    // The 16-row tiles' maps (and hd 80's V chunks) only where the shape has a narrow last tile.
+    const bool narrow = last_width(T) < kQTile;
+    const auto qkv64 = wide_maps(qkv, B, T, 3 * H * HD, HD, kQTile), out64 = wide_maps(out, B, T, H * HD, HD, kQTile);
+    const auto qkv16 = narrow ? wide_maps(qkv, B, T, 3 * H * HD, HD, 16) : qkv64;
+    const CUtensorMap v64 = HD == 80 ? chunks_map(qkv, B, T, 3 * H * HD, HD, kQTile) : qkv64.first;
     attention_forward_resident_kernel<HD><<<dim3(H, B), kFwdThreads, fwd_smem_bytes(T, HD), stream>>>(
-        qkv64, upper ? wide_map(qkv, B, T, 3 * H * HD, HD, kQTile, 1) : qkv64, qkv16,
-        upper && narrow ? wide_map(qkv, B, T, 3 * H * HD, HD, 16, 1) : qkv16, v64,
-        HD == 80 && narrow ? chunks_map(qkv, B, T, 3 * H * HD, HD, 16) : v64, out64,
-        upper ? wide_map(out, B, T, H * HD, HD, kQTile, 1) : out64, lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+        qkv64.first, qkv64.second, qkv16.first, qkv16.second, v64,
+        HD == 80 && narrow ? chunks_map(qkv, B, T, 3 * H * HD, HD, 16) : v64, out64.first, out64.second, lse, T, H,
+        1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
   if (hd == 64) launch(std::integral_constant<int, 64>{});
