@@ -111,6 +111,22 @@ __device__ __forceinline__ void wide_mma(float (&acc)[HD / 2], uint64_t a, uint3
     else wgmma::Mma<16>::ss_bt<32>(acc, a, b16, accumulate);
   }
 }
+// A wide tile of R rows by TMA, from column col and row `row` of image b: columns 0-63 through
+// map, those past 64 (hd 80, 128) through tail, R * 128 bytes on; its bytes counted on bar.
+template <int HD>
+__device__ __forceinline__ void load_wide(uint32_t dst, int R, const CUtensorMap* map, const CUtensorMap* tail, int col,
+                                          int row, int b, uint32_t bar) {
+  tma::load_3d(dst, map, col, row, b, bar);
+  if (HD > 64) tma::load_3d(dst + R * 128, tail, col + 64, row, b, bar);
+}
+// A staged 64-row wide tile out by TMA, one bulk group (tma::wait_read before src is reused).
+template <int HD>
+__device__ __forceinline__ void store_wide(uint32_t src, const CUtensorMap* map, const CUtensorMap* tail, int col, int row,
+                                           int b) {
+  tma::store_3d(map, src, col, row, b);
+  if (HD > 64) tma::store_3d(tail, src + kWideBytes, col + 64, row, b);
+  tma::commit();
+}
 
 constexpr int kThreads = 384, kLseLoaders = kQTile;
 constexpr int kSlotBytes = 2 * 64 * 64 * 2;  // P, then dS
@@ -260,14 +276,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
         const int col = ((which < 2 ? 0 : (which - 1) * H) + h) * HD;
         const uint32_t dst = s_q + which * n * kTile + t * kTile;
-        tma::load_3d(dst, which == 1 ? &do_map : &qkv_map, col, t * kQTile, b, bar);
-        if (HD > 64) tma::load_3d(dst + kWideBytes, which == 1 ? &do_tail : &qkv_tail, col + 64, t * kQTile, b, bar);
+        load_wide<HD>(dst, kQTile, which == 1 ? &do_map : &qkv_map, which == 1 ? &do_tail : &qkv_tail, col, t * kQTile, b,
+                      bar);
       }
       // O's tile into slot t, for WG 2's delta before WG 0 first fills the slot (by the LSU, its
       // loads queued behind these and came ~2-3 us after dO's: WG 2 began its products late)
-      const uint32_t o_dst = s_slot + t * kSlotBytes;
-      tma::load_3d(o_dst, &out_map, h * HD, t * kQTile, b, bar);
-      if (HD > 64) tma::load_3d(o_dst + kWideBytes, &out_tail, h * HD + 64, t * kQTile, b, bar);
+      load_wide<HD>(s_slot + t * kSlotBytes, kQTile, &out_map, &out_tail, h * HD, t * kQTile, b, bar);
     }
     trace(tr, kBwdIssued);
   }
@@ -440,9 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       stage_fragments<HD>(smem + i * kTile, dq, scale, scale, warp, g, q);
       bar_sync(kRows, 128);
       if (threadIdx.x == 0) {
-        tma::store_3d(&dqkv_map, q_i, h * HD, i * kQTile, b);
-        if (HD > 64) tma::store_3d(&dqkv_tail, q_i + kWideBytes, h * HD + 64, i * kQTile, b);
-        tma::commit();
+        store_wide<HD>(q_i, &dqkv_map, &dqkv_tail, h * HD, i * kQTile, b);
       }
       if (threadIdx.x == 0) trace(tr, kBwdDqStored + i);
     }
@@ -546,15 +558,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
       if (issuer) {
         trace(tr, kBwdStaged + 2 * part + j);
-        for (int c = 2 * j; c < min(2 * j + 2, n); ++c) {
-          const int col = ((part == 0 ? 2 : 1) * H + h) * HD;
-          tma::store_3d(&dqkv_map, tiles + c * kTile, col, c * kQTile, b);
-          tma::commit();
-          if (HD > 64) {
-            tma::store_3d(&dqkv_tail, tiles + c * kTile + kWideBytes, col + 64, c * kQTile, b);
-            tma::commit();
-          }
-        }
+        for (int c = 2 * j; c < min(2 * j + 2, n); ++c)
+          store_wide<HD>(tiles + c * kTile, &dqkv_map, &dqkv_tail, ((part == 0 ? 2 : 1) * H + h) * HD, c * kQTile, b);
         trace(tr, kBwdWritten + 2 * part + j);
       }
     }
@@ -629,9 +634,8 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
           tma::load_4d(dst, sixteen ? &v_chunks_narrow : &v_chunks, 0, t * kQTile, col / 16, b, bar);
           continue;
         }
-        tma::load_3d(dst, sixteen ? &narrow_map : &qkv_map, col, t * kQTile, b, bar);
-        if (HD > 64)
-          tma::load_3d(dst + (sixteen ? 16 : kQTile) * 128, sixteen ? &narrow_upper : &qkv_upper, col + 64, t * kQTile, b, bar);
+        load_wide<HD>(dst, sixteen ? 16 : kQTile, sixteen ? &narrow_map : &qkv_map, sixteen ? &narrow_upper : &qkv_upper, col,
+                      t * kQTile, b, bar);
       }
     }
     trace(tr, kFwdIssued);
@@ -755,12 +759,7 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
     bar_sync(1 + wg, 128);
     if (threadIdx.x % 128 == 0) {
       trace(tr, kFwdStaged + i);
-      tma::store_3d(&out_map, q_i, h * HD, i * kQTile, b);
-      tma::commit();
-      if (HD > 64) {
-        tma::store_3d(&out_upper, q_i + kWideBytes, h * HD + 64, i * kQTile, b);
-        tma::commit();
-      }
+      store_wide<HD>(q_i, &out_map, &out_upper, h * HD, i * kQTile, b);
       trace(tr, kFwdStored + i);
     }
   }
