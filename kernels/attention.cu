@@ -1110,7 +1110,7 @@ bool single_pass_fits(int T, int hd, int dev) {
 // BENCHMARKS.md 21, 24, 25, 27, 28).
 AttentionForward resolve_forward(AttentionForward kind, int T, int hd, int dev) {
   ENSURE(kind != AttentionForward::Resident || attention_forward_resident_fits(T, hd, dev),
-         "attention_forward: the resident kernel takes T <= 256 and hd 64, 80 or 128 on sm_90a; T " + std::to_string(T) +
+         "attention_forward: the resident kernel takes hd 64 (T <= 832), 80 (T <= 656) or 128 (T <= 384) on sm_90a; T " + std::to_string(T) +
              ", hd " + std::to_string(hd));
   if (kind != AttentionForward::Auto) return kind;
   return attention_forward_resident_preferred(T, hd, dev) ? AttentionForward::Resident : AttentionForward::Streamed;

@@ -53,6 +53,7 @@ void prepare_kernel(int dev, int smem_bytes) {
 
 struct DeviceInfo {
   int major = 0, minor = 0, smem_optin = 0;
+  int smem_per_sm = 0, smem_reserved = 0;  // an SM's shared memory, and what each block takes beside its own
 };
 
 // Per-device properties, queried once per device (cudaDeviceGetAttribute, never the slow
@@ -67,6 +68,8 @@ DeviceInfo device_info(int dev) {
   CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, dev));
   CUDA_CHECK(
       cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
   if (dev >= static_cast<int>(cache.size())) cache.resize(dev + 1);
   cache[dev] = {true, info};
   return info;

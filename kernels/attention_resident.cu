@@ -1,8 +1,8 @@
 // The attention backward (and, further down, the forward) for short sequences on Hopper's
 // warpgroup MMAs (wgmma, sm_90a), every operand resident in shared memory: one CTA per (image,
-// head), T <= 256, hd 64 or 80 (the forward also 128). Backward: Q, K, V and dO are loaded once
-// (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed once: the streamed kernels
-// (attention.cu) read the other side 4 times over and compute both twice.
+// head), T <= 256, hd 64 or 80 (the forward also hd 128, and longer T: see there). Backward: Q,
+// K, V and dO are loaded once (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed
+// once: the streamed kernels (attention.cu) read the other side 4 times over and compute both twice.
 // Three warpgroups:
 //   WG 0 (rows): per query tile i and key tile c: S = Q_i K_c^T, dP = dO_i V_c^T, P, and
 //     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots, staged in
@@ -570,18 +570,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 
 // ---------------------------------------------------------------------------------------------
-// Forward: one CTA of two warpgroups per (image, head). Q (n tiles of 64 rows), K and V (rows up
+// Forward: one CTA of W = 2 or 4 warpgroups per (image, head) (forward_shape). K and V (rows up
 // to kv_rows(T): the last tile only as far as its rows reach, rounded to 16 or 64) are loaded
-// once, tile t on mbarrier t, by TMA (one thread issues them; the warps' own cp.async took ~30%
-// of their time). Warpgroup w takes query
-// tiles w, w + 2. Per query tile, an online softmax over key chunks of 64 (the last as wide as
-// kv_rows leaves it):
+// once, tile t on mbarrier t, by TMA (one thread issues them; the warps' own cp.async took ~30% of
+// their time). Warpgroup w takes query tiles w, w + W, ...; Q tile i lands in buffer i % q_slots
+// on the buffer's own mbarrier. Every Q tile has its buffer (q_slots = n) where they all fit
+// beside K and V (up to 256 tokens, and longer at hd 64 and 80); else 2 W or W buffers are
+// reused: once tile i's output has left its buffer, the warpgroup loads its tile i + q_slots
+// there. Per query tile, an online softmax over key chunks of 64 (the last as wide as kv_rows
+// leaves it):
 //   S = Q_i K_c^T (A, B K-major in shared memory), P = exp(S scale - m) in registers, packed to
 //   bf16 as the A operand of O += P V_c (V MN-major as B), which runs while the next chunk's S
 //   is issued. O / l goes out through the tile's Q buffer by a TMA store.
-// 128 registers a thread and, at T <= 208 and hd 80, under half the shared memory: two CTAs an
-// SM, so that one loads while the other computes.
-constexpr int kFwdThreads = 256;
+// 128 registers a thread and, at T <= 208 and hd 80 (272 at hd 64), under half the shared memory:
+// two CTAs an SM, so that one loads while the other computes.
 __host__ __device__ constexpr int last_width(int T) {  // key columns computed in the last chunk
   // 16 or 64 (a third width, 32, makes ptxas spill at hd 80)
   return T - (tiles(T) - 1) * kQTile <= 16 ? 16 : 64;
@@ -591,50 +593,69 @@ __host__ __device__ constexpr int last_width(int T) {  // key columns computed i
 __host__ __device__ constexpr int kv_bytes(int T, int hd) {
   return (tiles(T) - 1) * q_bytes(hd) + (last_width(T) == kQTile ? q_bytes(hd) : (16 * hd * 2 + 1023) / 1024 * 1024);
 }
-__host__ __device__ constexpr int fwd_smem_bytes(int T, int hd) { return tiles(T) * q_bytes(hd) + 2 * kv_bytes(T, hd) + 8 * 4; }
+// Q buffers (q_slots of them), K, V, then n + q_slots mbarriers (K_t and V_t on t, Q buffer s on n + s).
+__host__ __device__ constexpr int fwd_smem_bytes(int T, int hd, int q_slots) {
+  return q_slots * q_bytes(hd) + 2 * kv_bytes(T, hd) + 8 * (tiles(T) + q_slots);
+}
+// Q buffers for (T, hd) and W warpgroups in smem bytes: one a tile where all fit, else 2 W or W
+// (a warpgroup's tiles take every W-th buffer), else 0: the shape does not fit.
+__host__ __device__ constexpr int fwd_q_slots(int T, int hd, int W, int smem) {
+  return fwd_smem_bytes(T, hd, tiles(T)) <= smem  ? tiles(T)
+         : fwd_smem_bytes(T, hd, 2 * W) <= smem   ? 2 * W
+         : fwd_smem_bytes(T, hd, W) <= smem       ? W
+                                                  : 0;
+}
 
-template <int HD>
-__global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O alone is 64 registers
+template <int HD, int kWgs>
+__global__ void __launch_bounds__(128 * kWgs, kWgs == 2 && HD <= 80 ? 2 : 1)  // hd 128: O alone is 64 registers
     attention_forward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap qkv_upper,
                                       const __grid_constant__ CUtensorMap narrow_map, const __grid_constant__ CUtensorMap narrow_upper,
                                       const __grid_constant__ CUtensorMap v_chunks, const __grid_constant__ CUtensorMap v_chunks_narrow,
                                       const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap out_upper,
-                                      float* __restrict__ lse, int T, int H, float scale) {
+                                      float* __restrict__ lse, int T, int H, float scale, int q_slots) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = trace_row();
   constexpr int kTile = q_bytes(HD);
   const int n = tiles(T);
-  const uint32_t s_q = smem_addr(smem), s_k = s_q + n * kTile, s_v = s_k + kv_bytes(T, HD), s_bar = s_v + kv_bytes(T, HD);
+  const uint32_t s_q = smem_addr(smem), s_k = s_q + q_slots * kTile, s_v = s_k + kv_bytes(T, HD),
+                 s_bar = s_v + kv_bytes(T, HD), s_qbar = s_bar + 8 * n;
   const int h = blockIdx.x, b = blockIdx.y;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
   const int last_rows = last_width(T);  // rows of the last K and V tiles (16 or 64)
+  // Q tile i into its buffer, on the buffer's mbarrier (issued by one thread).
+  const auto load_q = [&](int i) {
+    const uint32_t bar = s_qbar + 8 * (i % q_slots);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kTile) : "memory");
+    load_wide<HD>(s_q + (i % q_slots) * kTile, kQTile, &qkv_map, &qkv_upper, h * HD, i * kQTile, b, bar);
+  };
 
-  // Every tile comes by TMA, issued by thread 0, tile t (Q, K, V) on mbarrier t, in the wide layout
-  // (columns 0-63, then 64-HD through the *_upper maps); rows at or past T arrive as zeros (the
-  // tensor maps end at T: K's then get probability 0 by the mask, and V's add nothing). The last K
-  // and V tiles, if 16 rows, through the narrow maps.
+  // Every tile comes by TMA, issued by thread 0 (later Q tiles, into reused buffers, by their
+  // warpgroup's first thread), K_t and V_t on mbarrier t, in the wide layout (columns 0-63, then
+  // 64-HD through the *_upper maps); rows at or past T arrive as zeros (the tensor maps end at T:
+  // K's then get probability 0 by the mask, and V's add nothing). The last K and V tiles, if 16
+  // rows, through the narrow maps.
   if (threadIdx.x == 0)
-    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, 1);
+    for (int t = 0; t < n + q_slots; ++t) mbar_init(s_bar + 8 * t, 1);
   if (threadIdx.x == 0) trace_start(tr);
   __syncthreads();
   if (threadIdx.x == 0) {
     trace(tr, kFwdIssueBegins);
     for (int t = 0; t < n; ++t) {
+      if (t < q_slots) load_q(t);
       const uint32_t bar = s_bar + 8 * t;
       const bool narrow = t + 1 == n && last_rows < kQTile;
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                   "r"(kTile + 2 * (narrow ? last_rows : kQTile) * HD * 2)
+                   "r"(2 * (narrow ? last_rows : kQTile) * HD * 2)
                    : "memory");
-      for (int part = 0; part < 3; ++part) {  // Q, K, V
-        const bool sixteen = part > 0 && narrow;
-        const uint32_t dst = (part == 0 ? s_q : part == 1 ? s_k : s_v) + t * kTile;
+      for (int part = 1; part < 3; ++part) {  // K, V
+        const uint32_t dst = (part == 1 ? s_k : s_v) + t * kTile;
         const int col = (part * H + h) * HD;
         if (HD == 80 && part == 2) {  // V at hd 80: 32-byte-swizzle chunks (chunks_mn_desc)
-          tma::load_4d(dst, sixteen ? &v_chunks_narrow : &v_chunks, 0, t * kQTile, col / 16, b, bar);
+          tma::load_4d(dst, narrow ? &v_chunks_narrow : &v_chunks, 0, t * kQTile, col / 16, b, bar);
           continue;
         }
-        load_wide<HD>(dst, sixteen ? 16 : kQTile, sixteen ? &narrow_map : &qkv_map, sixteen ? &narrow_upper : &qkv_upper, col,
+        load_wide<HD>(dst, narrow ? 16 : kQTile, narrow ? &narrow_map : &qkv_map, narrow ? &narrow_upper : &qkv_upper, col,
                       t * kQTile, b, bar);
       }
     }
@@ -642,14 +663,14 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
   }
 
   const float scale_log2 = scale * kLog2e;
-  for (int i = wg; i < n; i += 2) {
-    const uint32_t q_i = s_q + i * kTile;
+  for (int i = wg; i < n; i += kWgs) {
+    const uint32_t q_i = s_q + (i % q_slots) * kTile;
     float o[HD / 2];
     uint32_t pa[4][4];  // P as bf16 A fragments, one k16 step (16 keys) each
 #pragma unroll
     for (int e = 0; e < HD / 2; ++e) o[e] = 0.0f;
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;  // rows g and g + 8 of the warp
-    mbar_wait(s_bar + 8 * i, 0);  // Q_i
+    mbar_wait(s_qbar + 8 * (i % q_slots), (i / q_slots) & 1);  // Q_i
 
     // Key chunk c, its first W columns: S = Q_i K_c^T while the previous chunk's O += P V may
     // still run, then the softmax, then O += P V_c, left running.
@@ -657,7 +678,7 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
       constexpr int W = decltype(width)::value;
       float sc[W / 2];
       mbar_wait(s_bar + 8 * c, 0);  // K_c, V_c
-      if (threadIdx.x % 128 == 0 && i == wg) trace(tr, kFwdLanded + 4 * wg + c);
+      if (threadIdx.x % 128 == 0 && i == wg && wg < 2 && c < 4) trace(tr, kFwdLanded + 4 * wg + c);
       wgmma::fence_proxy_async();
       wgmma::fence();
       // K_c and V_c have W rows (64, or 16 in a narrow last tile): their columns past 64 start at W * 128.
@@ -725,7 +746,7 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
         }
       }
       wgmma::commit();
-      if (threadIdx.x % 128 == 0) trace(tr, kFwdChunk + 4 * i + c);
+      if (threadIdx.x % 128 == 0 && i < 4 && c < 4) trace(tr, kFwdChunk + 4 * i + c);
     };
     const int last_w = last_width(T);
     if constexpr (HD == 64) {
@@ -741,7 +762,7 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
       else chunk(n - 1, std::integral_constant<int, 64>{});
     }
     wgmma::wait<0>();
-    if (threadIdx.x % 128 == 0) trace(tr, kFwdComplete + i);
+    if (threadIdx.x % 128 == 0 && i < 4) trace(tr, kFwdComplete + i);
 
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -755,12 +776,16 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
     }
     // O / l as bf16 through this warpgroup's Q_i tile (its last reader, S, has completed), stored by TMA.
     bar_sync(1 + wg, 128);  // every warp of the warpgroup is past its S products
-    stage_fragments<HD>(smem + i * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
+    stage_fragments<HD>(smem + (i % q_slots) * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
     bar_sync(1 + wg, 128);
     if (threadIdx.x % 128 == 0) {
-      trace(tr, kFwdStaged + i);
+      if (i < 4) trace(tr, kFwdStaged + i);
       store_wide<HD>(q_i, &out_map, &out_upper, h * HD, i * kQTile, b);
-      trace(tr, kFwdStored + i);
+      if (i < 4) trace(tr, kFwdStored + i);
+      if (i + q_slots < n) {  // the buffer's next tile, once the store has read it
+        tma::wait_read();
+        load_q(i + q_slots);
+      }
     }
   }
   if (threadIdx.x % 128 == 0) tma::wait_read();  // the stores have read this warpgroup's tiles
@@ -770,10 +795,24 @@ __global__ void __launch_bounds__(kFwdThreads, HD <= 80 ? 2 : 1)  // hd 128: O a
 }  // namespace
 
 namespace {
-// T <= 256 on sm_90a (wgmma, setmaxnreg), with smem bytes of shared memory a block: both kernels'
-// bounds, besides their head dims.
-bool resident_fits(int T, int smem, const DeviceInfo& info) {
-  return T >= 1 && T <= 4 * kQTile && info.major == 9 && info.minor == 0 && smem <= info.smem_optin;
+bool sm90a(const DeviceInfo& info) { return info.major == 9 && info.minor == 0; }  // wgmma, setmaxnreg
+
+// The forward's warpgroups and Q buffers at (T, hd); q_slots 0 where it does not fit. Two
+// warpgroups where two CTAs share an SM (one loads while the other computes: at hd 64 up to 272
+// tokens, at hd 80 up to 208); else, at hd 64 and 80, four where they fit (16 warps on the SM
+// instead of 8: 11-15% faster at 236, 256, 257 and 577 tokens, BENCHMARKS.md 31). hd 128 takes
+// 178 registers a thread: two warpgroups only.
+struct ForwardShape {
+  int warpgroups, q_slots;
+};
+ForwardShape forward_shape(int T, int hd, const DeviceInfo& info) {
+  const int two = fwd_q_slots(T, hd, 2, info.smem_optin);
+  const bool two_an_sm = 2 * (fwd_smem_bytes(T, hd, two) + info.smem_reserved) <= info.smem_per_sm;
+  if (hd <= 80 && two > 0 && !two_an_sm) {
+    const int four = fwd_q_slots(T, hd, 4, info.smem_optin);
+    if (four > 0) return {4, four};
+  }
+  return {2, two};
 }
 
 // A [B, T, columns] bf16 tensor seen as tiles of `rows` rows of one head's V in 32-byte-swizzle
@@ -814,7 +853,8 @@ void attention_trace::set_buffer(unsigned long long* buffer) {
 #endif
 
 bool attention_resident_fits(int T, int hd, int dev) {
-  return (hd == 64 || hd == 80) && resident_fits(T, smem_bytes(tiles(T), hd), device_info(dev));
+  const DeviceInfo info = device_info(dev);
+  return (hd == 64 || hd == 80) && T >= 1 && T <= 4 * kQTile && sm90a(info) && smem_bytes(tiles(T), hd) <= info.smem_optin;
 }
 
 void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse, bf16* dqkv,
@@ -838,12 +878,14 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
 }
 
 bool attention_forward_resident_fits(int T, int hd, int dev) {
-  return (hd == 64 || hd == 80 || hd == 128) && resident_fits(T, fwd_smem_bytes(T, hd), device_info(dev));
+  const DeviceInfo info = device_info(dev);
+  return (hd == 64 || hd == 80 || hd == 128) && T >= 1 && sm90a(info) && forward_shape(T, hd, info).q_slots > 0;
 }
 
 bool attention_forward_resident_preferred(int T, int hd, int dev) {
   // Faster from two tiles at hd 64 and 80; at hd 128 (one CTA an SM) from three: at two tiles the
-  // streamed forward ties (65 tokens) or wins (128) (BENCHMARKS.md 28)
+  // streamed forward ties (65 tokens) or wins (128) (BENCHMARKS.md 28). Past 256 tokens 23-39%
+  // faster at ViT's batches (257 and 577 tokens, BENCHMARKS.md 31).
   return tiles(T) >= (hd == 128 ? 3 : 2) && attention_forward_resident_fits(T, hd, dev);
 }
 
@@ -851,22 +893,27 @@ bool attention_forward_resident_preferred(int T, int hd, int dev) {
 void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, int T, int H, int hd, int dev,
                                 cudaStream_t stream) {
   ENSURE(attention_forward_resident_fits(T, hd, dev), "attention_forward_resident: T " + std::to_string(T) + ", hd " +
-                                                          std::to_string(hd) + " is not its shape (T <= 256, hd 64, 80 or 128, sm_90a)");
-  const auto launch = [&](auto hd_c) {
-    constexpr int HD = decltype(hd_c)::value;
-    prepare_kernel<&attention_forward_resident_kernel<HD>>(dev, fwd_smem_bytes(4 * kQTile, HD));  // the largest
+                                                          std::to_string(hd) + " is not its shape (hd 64, 80 or 128, K and V in shared memory, sm_90a)");
+  const DeviceInfo info = device_info(dev);
+  const ForwardShape shape = forward_shape(T, hd, info);
+  const int W = shape.warpgroups, q_slots = shape.q_slots;
+  const auto launch = [&](auto hd_c, auto w_c) {
+    constexpr int HD = decltype(hd_c)::value, kW = decltype(w_c)::value;
+    prepare_kernel<&attention_forward_resident_kernel<HD, kW>>(dev, info.smem_optin);  // the largest
     // The 16-row tiles' maps (and hd 80's V chunks) only where the shape has a narrow last tile.
     const bool narrow = last_width(T) < kQTile;
     const auto qkv64 = wide_maps(qkv, B, T, 3 * H * HD, HD, kQTile), out64 = wide_maps(out, B, T, H * HD, HD, kQTile);
     const auto qkv16 = narrow ? wide_maps(qkv, B, T, 3 * H * HD, HD, 16) : qkv64;
     const CUtensorMap v64 = HD == 80 ? chunks_map(qkv, B, T, 3 * H * HD, HD, kQTile) : qkv64.first;
-    attention_forward_resident_kernel<HD><<<dim3(H, B), kFwdThreads, fwd_smem_bytes(T, HD), stream>>>(
+    attention_forward_resident_kernel<HD, kW><<<dim3(H, B), 128 * kW, fwd_smem_bytes(T, HD, q_slots), stream>>>(
         qkv64.first, qkv64.second, qkv16.first, qkv16.second, v64,
         HD == 80 && narrow ? chunks_map(qkv, B, T, 3 * H * HD, HD, 16) : v64, out64.first, out64.second, lse, T, H,
-        1.0f / std::sqrt(static_cast<float>(HD)));
+        1.0f / std::sqrt(static_cast<float>(HD)), q_slots);
     LAUNCH_CHECK();
   };
-  if (hd == 64) launch(std::integral_constant<int, 64>{});
-  else if (hd == 80) launch(std::integral_constant<int, 80>{});
-  else launch(std::integral_constant<int, 128>{});
+  using Two = std::integral_constant<int, 2>;
+  using Four = std::integral_constant<int, 4>;
+  if (hd == 64) W == 4 ? launch(std::integral_constant<int, 64>{}, Four{}) : launch(std::integral_constant<int, 64>{}, Two{});
+  else if (hd == 80) W == 4 ? launch(std::integral_constant<int, 80>{}, Four{}) : launch(std::integral_constant<int, 80>{}, Two{});
+  else launch(std::integral_constant<int, 128>{}, Two{});
 }

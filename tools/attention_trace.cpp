@@ -1,4 +1,5 @@
-// attention_trace: where the resident attention kernels' time goes, CTA by CTA. Linked against
+// attention_trace: where the resident attention kernels' time goes, CTA by CTA (the forward, and
+// the backward where it applies: T <= 256). Linked against
 // kernels/attention_resident.cu compiled with -DATTENTION_TRACE (make attention_trace), whose
 // kernels stamp clock64 at their phases (kernels/attention_trace.h); one stamped launch of each
 // after three unstamped. Prints, per phase, the time from the CTA's start (median, 10th and 90th
@@ -96,7 +97,7 @@ int main(int argc, char** argv) {
   }
   const int B = shapes[0].B, H = shapes[0].H, T = shapes[0].T, hd = shapes[0].hd;
   try {
-    if (!attention_resident_supported(T, hd) || !attention_forward_resident_supported(T, hd)) {
+    if (!attention_forward_resident_supported(T, hd)) {
       std::fprintf(stderr, "attention_trace: T %d, hd %d is not the resident kernels' shape\n", T, hd);
       return 2;
     }
@@ -121,6 +122,11 @@ int main(int argc, char** argv) {
     }
     trace("forward (resident)", fwd, ctas, buf,
           [&] { attention_forward(qkv, out, lse, B, T, H, hd, 0, AttentionForward::Resident); });
+    if (!attention_resident_supported(T, hd)) {
+      std::printf("\nbackward: T %d, hd %d is not the resident backward's shape\n", T, hd);
+      CUDA_CHECK(cudaFree(buf));
+      return 0;
+    }
 
     std::vector<std::pair<int, std::string>> bwd = {{kBwdIssueBegins, "TMA issue begins (thread 128)"},
                                                     {kBwdIssued, "TMA issued"}};
