@@ -7,12 +7,16 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void patchify_kernel(const float* __restrict__ images, bf16* __restrict__ patches, int B,
-                                int C, int img, int p) {
+                                int C, int img, int p, int ld) {
   const int G = img / p, P = G * G, cols = C * p * p;
-  const size_t n = static_cast<size_t>(B) * P * cols;
+  const size_t n = static_cast<size_t>(B) * P * ld;
   for (size_t o = blockIdx.x * size_t(blockDim.x) + threadIdx.x; o < n; o += size_t(gridDim.x) * blockDim.x) {
-    const int col = static_cast<int>(o % cols);
-    const size_t row = o / cols;
+    const int col = static_cast<int>(o % ld);
+    if (col >= cols) {
+      patches[o] = __float2bfloat16_rn(0.0f);
+      continue;
+    }
+    const size_t row = o / ld;
     const int b = static_cast<int>(row / P), i = static_cast<int>(row % P);
     const int gh = i / G, gw = i % G;
     const int c = col / (p * p), kh = (col / p) % p, kw = col % p;
@@ -47,11 +51,12 @@ __global__ void embed_backward_kernel(const float* __restrict__ g, bf16* __restr
 
 }  // namespace
 
-void patchify(const float* images, bf16* patches, int B, int C, int img, int p, cudaStream_t stream) {
+void patchify(const float* images, bf16* patches, int B, int C, int img, int p, int ld, cudaStream_t stream) {
   NvtxRange range("patchify");
   ENSURE(img % p == 0, "patchify: image size not divisible by patch size");
-  const size_t n = static_cast<size_t>(B) * C * img * img;
-  patchify_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(images, patches, B, C, img, p);
+  ENSURE(ld >= C * p * p, "patchify: row stride below the patch size");
+  const size_t n = static_cast<size_t>(B) * (img / p) * (img / p) * ld;
+  patchify_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(images, patches, B, C, img, p, ld);
   LAUNCH_CHECK();
 }
 

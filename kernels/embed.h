@@ -3,9 +3,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-// images [B, C, img, img] fp32 -> patches [B * P, C * p * p] bf16, each patch in (c, kh, kw)
-// order, patches in row-major (gh, gw) order: the Conv2d(k = p, s = p) as a GEMM operand.
-void patchify(const float* images, __nv_bfloat16* patches, int B, int C, int img, int p,
+// images [B, C, img, img] fp32 -> patches [B * P, ld] bf16, each patch in (c, kh, kw) order in
+// its row's first C * p * p columns, zeros in the rest (ld >= C * p * p: padding to 16-byte rows),
+// patches in row-major (gh, gw) order: the Conv2d(k = p, s = p) as a GEMM operand.
+void patchify(const float* images, __nv_bfloat16* patches, int B, int C, int img, int p, int ld,
               cudaStream_t stream);
 // x[b, 0] = cls + pos[0]; x[b, 1 + i] = patch_out[b * P + i] + pos[1 + i]; x is [B, T, D] fp32.
 void embed_forward(const float* patch_out, const float* cls, const float* pos, float* x, int B,

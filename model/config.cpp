@@ -51,10 +51,9 @@ void ViTConfig::validate() const {
   if (dim % heads != 0)
     fail("dim " + std::to_string(dim) + " is not divisible by heads " + std::to_string(heads));
   if (!(mlp_ratio > 0) || hidden() < 1) fail("--mlp-ratio must give a positive hidden size");
-  if (dim % 8 != 0 || hidden() % 8 != 0 || patch_dim() % 8 != 0)
-    fail("dim, the MLP hidden size and channels*patch*patch must be multiples of 8 (16-byte rows "
-         "for the bf16 GEMMs); got dim " + std::to_string(dim) + ", hidden " +
-         std::to_string(hidden()) + ", patch dim " + std::to_string(patch_dim()));
+  if (dim % 8 != 0 || hidden() % 8 != 0)
+    fail("dim and the MLP hidden size must be multiples of 8 (16-byte rows for the bf16 GEMMs); got dim " +
+         std::to_string(dim) + ", hidden " + std::to_string(hidden()));
   if (dim > 1536) fail("dim " + std::to_string(dim) + " is above 1536, the LayerNorm kernels' limit");
   if (head_dim() % 8 != 0 || head_dim() > 128)
     fail("head dim (dim/heads) must be a multiple of 8 and at most 128 for the attention "

@@ -15,6 +15,9 @@ struct ViTConfig {
   int head_dim() const { return dim / heads; }
   int hidden() const { return static_cast<int>(dim * mlp_ratio); }  // timm: int(dim * mlp_ratio)
   int patch_dim() const { return channels * patch * patch; }         // (c, kh, kw) flattened
+  // The patch rows as the patch embedding's GEMM reads them: padded with zeros to a multiple of 8
+  // (16-byte bf16 rows), e.g. ViT-H/14's 588 to 592.
+  int patch_dim_padded() const { return (patch_dim() + 7) / 8 * 8; }
 
   // Model FLOPs of one training step per image: 3x the forward's matmul FLOPs (the convention
   // behind MFU; the image gradient of the patch embedding is counted though never computed).

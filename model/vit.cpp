@@ -48,7 +48,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
   a.workspace.add(&labels_, B);
 
   Arena& s = a.activations;
-  s.add(&patches_, B * P * cfg.patch_dim());
+  s.add(&patches_, B * P * cfg.patch_dim_padded());
   s.add(&patch_out_, B * P * D);
   s.add(&resid_, (2 * cfg.depth + 1) * M * D);
   acts_.resize(cfg.depth);
@@ -87,6 +87,10 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
   w.add(&dlogits_, B * classes_ld_);
   w.add(&dfeat_, B * D);
   w.add(&dpatch_, B * P * D);
+  if (cfg.patch_dim_padded() != cfg.patch_dim()) {  // the patch embedding's weight and gradient, padded rows
+    w.add(&patch_w_padded_, D * cfg.patch_dim_padded());
+    w.add(&patch_grad_padded_, D * cfg.patch_dim_padded());
+  }
   size_t partial = std::max({colsum_partial_floats(B_, T_ * cfg.dim), layernorm_partial_floats(M_, cfg.dim),
                              gelu_backward_partial_floats(M_, cfg.hidden())});
 
@@ -333,10 +337,17 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   const int D = cfg_.dim, P = cfg_.patches(), BP = B_ * P;
   {
     NvtxRange r("patch_embed");
-    { auto t = timer.op(OpKind::Embed, st); patchify(images_, patches_, B_, cfg_.channels, cfg_.img, cfg_.patch, st); }
+    const int K = cfg_.patch_dim(), K8 = cfg_.patch_dim_padded();
+    { auto t = timer.op(OpKind::Embed, st);
+      patchify(images_, patches_, B_, cfg_.channels, cfg_.img, cfg_.patch, K8, st);
+      if (K8 != K) {  // the weight's rows padded with zeros like the patches' (its bf16 copy changes every step)
+        CUDA_CHECK(cudaMemsetAsync(patch_w_padded_, 0, size_t(D) * K8 * sizeof(bf16), st));
+        CUDA_CHECK(cudaMemcpy2DAsync(patch_w_padded_, K8 * sizeof(bf16), pb(layout_.patch_w), K * sizeof(bf16),
+                                     K * sizeof(bf16), D, cudaMemcpyDeviceToDevice, st));
+      } }
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_forward(patches_, pb(layout_.patch_w), p(layout_.patch_b), nullptr, patch_out_, DType::F32, BP, D,
-                          cfg_.patch_dim(), st); }
+      gemm.linear_forward(patches_, K8 != K ? patch_w_padded_ : pb(layout_.patch_w), p(layout_.patch_b), nullptr,
+                          patch_out_, DType::F32, BP, D, K8, st); }
     { auto t = timer.op(OpKind::Embed, st);
       embed_forward(patch_out_, p(layout_.cls_token), p(layout_.pos_embed), resid(0), B_, T_, D, st); }
   }
@@ -452,9 +463,13 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
       CUDA_CHECK(cudaMemcpyAsync(g(layout_.cls_token), g(layout_.pos_embed), D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, st)); }
     { auto t = timer.op(OpKind::Embed, st); embed_backward(dresid_, dpatch_, B_, T_, D, st); }
+    const int K = cfg_.patch_dim(), K8 = cfg_.patch_dim_padded();
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dpatch_, patches_, g(layout_.patch_w), g(layout_.patch_b), BP, D,
-                                  cfg_.patch_dim(), st); }
+      gemm.linear_backward_weight(dpatch_, patches_, K8 != K ? patch_grad_padded_ : g(layout_.patch_w),
+                                  g(layout_.patch_b), BP, D, K8, st);
+      if (K8 != K)  // the padding's columns (zero) left behind
+        CUDA_CHECK(cudaMemcpy2DAsync(g(layout_.patch_w), K * sizeof(float), patch_grad_padded_, K8 * sizeof(float),
+                                     K * sizeof(float), D, cudaMemcpyDeviceToDevice, st)); }
   }
   ready_from(-1);
 }

@@ -216,7 +216,11 @@ class ViT {
   float *images_;
   int* labels_;
   // forward, saved for backward
-  bf16* patches_;
+  bf16* patches_;  // [B * P, patch_dim_padded]
+  // Where the patch dim is not a multiple of 8: the patch embedding's bf16 weight and fp32 gradient
+  // with rows padded like the patches' (the parameter itself keeps timm's [D, C, p, p])
+  bf16* patch_w_padded_ = nullptr;
+  float* patch_grad_padded_ = nullptr;
   float* patch_out_;
   float* resid_;  // 2 * depth + 1 residual-stream states [M, D] fp32
   std::vector<BlockActs> acts_;

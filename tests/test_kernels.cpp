@@ -169,8 +169,26 @@ TEST_CASE("gpu: patchify and the class-token/position embedding") {
   const auto images = round_bf16(random_vec(rng, static_cast<size_t>(B) * 3 * 24 * 24));
   DeviceBuffer<float> dimg(to_f32(images));
   DeviceBuffer<bf16> patches(static_cast<size_t>(B) * P * c.patch_dim());
-  patchify(dimg.get(), patches.get(), B, c.channels, c.img, c.patch, 0);
+  patchify(dimg.get(), patches.get(), B, c.channels, c.img, c.patch, c.patch_dim(), 0);
   CHECK(rel_error(to_f64(patches.download()), ref::patchify(c, B, images)) == 0.0);
+  {  // a patch dim that is not a multiple of 8 (3 x 7 x 7 = 147, like ViT-H/14's 588): rows padded to 152 with zeros
+    ViTConfig c7 = c;
+    c7.img = 21, c7.patch = 7;
+    const int K = c7.patch_dim(), K8 = c7.patch_dim_padded(), rows = B * c7.patches();
+    REQUIRE(K8 == 152);
+    const auto images7 = round_bf16(random_vec(rng, static_cast<size_t>(B) * 3 * 21 * 21));
+    DeviceBuffer<float> dimg7(to_f32(images7));
+    DeviceBuffer<bf16> padded(static_cast<size_t>(rows) * K8);
+    padded.poison();
+    patchify(dimg7.get(), padded.get(), B, c7.channels, c7.img, c7.patch, K8, 0);
+    const auto got = to_f64(padded.download());
+    const auto want = ref::patchify(c7, B, images7);
+    std::vector<double> real, pad;
+    for (int r = 0; r < rows; ++r)
+      for (int k = 0; k < K8; ++k) (k < K ? real : pad).push_back(got[static_cast<size_t>(r) * K8 + k]);
+    CHECK(rel_error(real, want) == 0.0);
+    CHECK(pad == std::vector<double>(pad.size(), 0.0));
+  }
 
   const auto po = round_f32(random_vec(rng, static_cast<size_t>(B) * P * D));
   const auto cls = round_f32(random_vec(rng, D)), pos = round_f32(random_vec(rng, static_cast<size_t>(T) * D));
