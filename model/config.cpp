@@ -4,10 +4,11 @@
 #include <stdexcept>
 
 bool vit_preset(const std::string& name, ViTConfig* out) {
-  struct Preset { const char* name; int dim, depth, heads; };
+  struct Preset { const char* name; int dim, depth, heads, patch; };
   static const Preset presets[] = {
-      {"vit_h16", 1280, 32, 16}, {"vit_l16", 1024, 24, 16}, {"vit_b16", 768, 12, 12},
-      {"vit_s16", 384, 12, 6},   {"vit_ti16", 192, 12, 3},
+      {"vit_h16", 1280, 32, 16, 16}, {"vit_l16", 1024, 24, 16, 16}, {"vit_b16", 768, 12, 12, 16},
+      {"vit_s16", 384, 12, 6, 16},   {"vit_ti16", 192, 12, 3, 16},
+      {"vit_h14", 1280, 32, 16, 14}, {"vit_l14", 1024, 24, 16, 14},  // timm's vit_huge_patch14_224, vit_large_patch14_224
   };
   for (const Preset& p : presets) {
     if (name == p.name) {
@@ -16,6 +17,7 @@ bool vit_preset(const std::string& name, ViTConfig* out) {
       c.dim = p.dim;
       c.depth = p.depth;
       c.heads = p.heads;
+      c.patch = p.patch;
       *out = c;
       return true;
     }
@@ -23,7 +25,7 @@ bool vit_preset(const std::string& name, ViTConfig* out) {
   return false;
 }
 
-const char* vit_preset_names() { return "vit_h16, vit_l16, vit_b16, vit_s16, vit_ti16"; }
+const char* vit_preset_names() { return "vit_h16, vit_l16, vit_b16, vit_s16, vit_ti16, vit_h14, vit_l14"; }
 
 double ViTConfig::train_flops_per_image() const {
   const double D = dim, N = tokens(), P = patches(), H = hidden();

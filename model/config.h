@@ -31,7 +31,8 @@ struct ViTConfig {
   std::string describe() const;
 };
 
-// Presets: vit_h16, vit_l16, vit_b16, vit_s16, vit_ti16 (timm's vit_*_patch16_224 shapes).
+// Presets: vit_h16, vit_l16, vit_b16, vit_s16, vit_ti16 (timm's vit_*_patch16_224 shapes), vit_h14,
+// vit_l14 (vit_huge_patch14_224, vit_large_patch14_224).
 // Returns false if the name is unknown.
 bool vit_preset(const std::string& name, ViTConfig* out);
 const char* vit_preset_names();

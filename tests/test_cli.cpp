@@ -59,6 +59,11 @@ TEST_CASE("cli: presets and overrides, in any order, with --flag=value too") {
   o = parse({"--model", "vit_ti16"});
   CHECK(o.model.dim == 192);
   CHECK(o.model.heads == 3);
+  o = parse({"--model", "vit_h14"});  // ViT-H/14: 257 tokens, patch dim 588 (padded to 592 for its GEMM)
+  CHECK(o.model.dim == 1280);
+  CHECK(o.model.tokens() == 257);
+  CHECK(o.model.patch_dim_padded() == 592);
+  CHECK(parse({"--model", "vit_l14", "--patch", "16"}).model.tokens() == 197);  // overrides after the preset
   CHECK(parse({"--steps", "3"}).warmup == 2);  // warm-up shrinks to leave a timed step
   CHECK(parse({"--dim", "1408", "--heads", "16"}).model.head_dim() == 88);  // ViT-g/14's heads
 }
