@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SHAPES = [(64, 16, 197, 80), (32, 16, 577, 64), (256, 12, 197, 64), (256, 6, 197, 64)]
+SHAPES = [(64, 16, 197, 80), (64, 16, 257, 80), (32, 16, 577, 64), (256, 12, 197, 64), (256, 6, 197, 64)]
 BACKENDS = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
             ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
 

@@ -4,7 +4,7 @@
 // included); tools/attention_bench.py measures PyTorch's cuDNN and flash backends the same way.
 // Forward and backward are the default choices; where more than one kernel applies, each is also
 // timed on a line of its own.
-// Usage: attention_rate [B H T HD ...]   (default: ViT-H/16 at batch 64, ViT-L/16 at 384 px,
+// Usage: attention_rate [B H T HD ...]   (default: ViT-H/16 and ViT-H/14 at batch 64, ViT-L/16 at 384 px,
 //                                       ViT-B/16, ViT-S/16 at batch 256)
 #include <cuda_bf16.h>
 
@@ -22,7 +22,7 @@
 int main(int argc, char** argv) {
   std::vector<AttentionShape> shapes;
   if (!parse_shapes(argc, argv, "attention_rate",
-                    {{64, 16, 197, 80}, {32, 16, 577, 64}, {256, 12, 197, 64}, {256, 6, 197, 64}}, &shapes))
+                    {{64, 16, 197, 80}, {64, 16, 257, 80}, {32, 16, 577, 64}, {256, 12, 197, 64}, {256, 6, 197, 64}}, &shapes))
     return 2;
   try {
     std::printf("%-22s %10s %10s %10s %12s %12s\n", "B H T hd", "fwd ms", "bwd ms", "both ms", "fwd TFLOP/s",
