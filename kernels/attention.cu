@@ -1177,6 +1177,15 @@ AttentionForward attention_forward_auto_choice(int T, int hd) {
   return dev >= 0 ? resolve_forward(AttentionForward::Auto, T, hd, dev) : AttentionForward::Streamed;
 }
 
+namespace {
+// delta's floats, rounded up to 256 bytes: the dQ planes follow (attention_backward_workspace_floats).
+size_t delta_floats_padded(int B, int T, int H) { return (size_t(B) * H * T + 63) / 64 * 64; }
+}  // namespace
+
+size_t attention_backward_workspace_floats(int B, int T, int H, int hd) {
+  return delta_floats_padded(B, T, H) + attention_resident_dq_plane_floats(B, T, H, hd);
+}
+
 AttentionBackward attention_backward_auto_choice(int T, int hd) {
   const int dev = supporting_device(T, hd);
   return dev >= 0 ? resolve_backward(AttentionBackward::Auto, T, hd, dev) : AttentionBackward::Streamed;
@@ -1192,8 +1201,21 @@ void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, cons
   NvtxRange range("attention_backward");
 
   const AttentionBackward chosen = resolve_backward(kind, T, hd, dev);  // require_shape checked the rest
+  const auto compute_delta = [&] {  // delta = rowsum(dout * out), [B, H, T]
+    const long long pairs = static_cast<long long>(B) * T * H;
+    const long long pairs_per_block = kDeltaThreads / kDeltaGroup;
+    const long long delta_blocks = (pairs + pairs_per_block - 1) / pairs_per_block;
+    ENSURE(delta_blocks <= 0x7fffffffLL, "attention_backward: B*T*H too large for the delta grid");
+    attention_delta_kernel<<<static_cast<unsigned>(delta_blocks), kDeltaThreads, 0, stream>>>(out, dout, delta, T, H, hd,
+                                                                                               pairs);
+    LAUNCH_CHECK();
+  };
   if (chosen == AttentionBackward::Resident) {
-    attention_backward_resident(qkv, out, dout, lse, dqkv, B, T, H, hd, dev, stream);
+    // Past 256 tokens in key blocks: delta computed first, the dQ planes after it in the workspace.
+    const bool blocks = attention_resident_dq_plane_floats(B, T, H, hd) > 0;
+    if (blocks) compute_delta();
+    attention_backward_resident(qkv, out, dout, lse, blocks ? delta : nullptr,
+                                blocks ? delta + delta_floats_padded(B, T, H) : nullptr, dqkv, B, T, H, hd, dev, stream);
     return;
   }
   if (chosen == AttentionBackward::SinglePass) {
@@ -1216,13 +1238,7 @@ void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, cons
     return;
   }
 
-  const long long pairs = static_cast<long long>(B) * T * H;
-  const long long pairs_per_block = kDeltaThreads / kDeltaGroup;
-  const long long delta_blocks = (pairs + pairs_per_block - 1) / pairs_per_block;
-  ENSURE(delta_blocks <= 0x7fffffffLL, "attention_backward: B*T*H too large for the delta grid");
-  attention_delta_kernel<<<static_cast<unsigned>(delta_blocks), kDeltaThreads, 0, stream>>>(
-      out, dout, delta, T, H, hd, pairs);
-  LAUNCH_CHECK();
+  compute_delta();
 
   const dim3 grid((T + kTile - 1) / kTile, H, B);
   dispatch_hd(hd, [&](auto hd_c) {

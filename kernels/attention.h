@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <string>
 
 // The forward's kernels. Streamed: mma.sync, one block per 64-query tile with the keys streamed
@@ -42,9 +43,11 @@ bool attention_resident_supported(int T, int hd);
 // The backward Auto takes at (T, hd) on the current device.
 AttentionBackward attention_backward_auto_choice(int T, int hd);
 
-// dqkv from dout, given the forward's qkv, out and lse. delta is a [B, H, T] fp32 workspace
-// (the streamed kernels overwrite it with rowsum(dout * out)). Every element of dqkv is written;
+// dqkv from dout, given the forward's qkv, out and lse. delta is an fp32 workspace of
+// attention_backward_workspace_floats(B, T, H, hd) floats (its first B H T: rowsum(dout * out),
+// then, past 256 tokens, the resident backward's dQ planes). Every element of dqkv is written;
 // deterministic (no atomics).
+size_t attention_backward_workspace_floats(int B, int T, int H, int hd);
 void attention_backward(const __nv_bfloat16* qkv, const __nv_bfloat16* out,
                         const __nv_bfloat16* dout, const float* lse, float* delta,
                         __nv_bfloat16* dqkv, int B, int T, int H, int hd, cudaStream_t stream,

@@ -39,6 +39,8 @@
 
 #include <cmath>
 #include <string>
+
+#include "kernels/common.cuh"
 #include <utility>
 
 #include "engine/check.h"
@@ -138,6 +140,8 @@ static_assert(kWg0Regs + 2 * kKeyRegs <= 3 * (65536 / kThreads / 8 * 8), "more r
 // kFull + c, kEmpty + c, kDelta + t, kKeys + j (key warpgroup j's own); 0 is __syncthreads. kDqDone
 // reuses DELTA_0, whose one use ends at query tile 0.
 enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10, kDqDone = kDelta, kKeys = 14 };
+// Key blocks (past 256 tokens) take no DELTA_t: the end of a pass of query tiles reuses DELTA_1.
+constexpr int kPass = kDelta + 1;
 
 // Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); then the 4 mbarriers.
 __host__ __device__ constexpr int smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512) + 8 * 4; }
@@ -226,40 +230,62 @@ __device__ __forceinline__ void trace(unsigned long long*, int) {}
 __device__ __forceinline__ void trace_end(unsigned long long*) {}
 #endif
 
+// The CTA's first key tile in key-block mode (4 blockIdx.z), read where used: held in a register
+// through the loops it made ptxas serialize the wgmmas (C7512).
+__device__ __forceinline__ int first_key_tile() {
+  int z;
+  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+  return 4 * z;
+}
+
 __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (query r, key k), k even
   return uint32_t((r >> 3) * 1024 + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
 }
 
-template <int HD>
+template <int HD, bool kKeyBlocks>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap do_map,
                                        const __grid_constant__ CUtensorMap dqkv_map, const __grid_constant__ CUtensorMap qkv_tail,
                                        const __grid_constant__ CUtensorMap do_tail, const __grid_constant__ CUtensorMap dqkv_tail,
                                        const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap out_tail,
-                                       const float* __restrict__ lse, int T, int H, float scale) {
+                                       const float* __restrict__ lse, const float* __restrict__ delta,
+                                       float* __restrict__ dq_partial, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  unsigned long long* const tr = trace_row();
+  unsigned long long* const tr = kKeyBlocks ? nullptr : trace_row();  // (the stamps' slots count 4 tiles)
   constexpr int kTile = q_bytes(HD);
   const int n = tiles(T);
-  const uint32_t s_q = smem_addr(smem), s_do = s_q + n * kTile, s_k = s_do + n * kTile, s_v = s_k + n * kTile;
-  const uint32_t s_slot = s_v + n * kTile, s_stats = s_slot + n * kSlotBytes, s_bar = s_stats + n * 512;
+  // Key blocks (past 256 tokens): this CTA's key tiles kt0 .. kt0 + nk - 1, every query tile
+  // through nb = 4 buffers, a pass of 4 at a time. Else nk = nb = n and kt0 = 0.
+  const int kb = kKeyBlocks ? int(blockIdx.z) : 0, kt0 = kKeyBlocks ? 4 * kb : 0;
+  const int nk = kKeyBlocks ? min(4, n - kt0) : n, nb = kKeyBlocks ? 4 : n;
+  const uint32_t s_q = smem_addr(smem), s_do = s_q + nb * kTile, s_k = s_do + nb * kTile, s_v = s_k + nb * kTile;
+  const uint32_t s_slot = s_v + nb * kTile, s_stats = s_slot + nb * kSlotBytes, s_bar = s_stats + nb * 512;
+  const uint32_t s_kvbar = s_bar + 8 * nb;  // key blocks: K_c and V_c's own mbarriers (s_bar + 8 s: buffer s)
   const int h = blockIdx.x, b = blockIdx.y;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
             q = lane & 3;
   // k16 steps that cover the last tile's rows (as keys of dQ, as queries of dK and dV): the rest
   // contribute nothing (P and dS are 0 on padding keys, dO and Q on padding queries).
   const int last_k16 = (T - (n - 1) * kQTile + 15) / 16;
+  const bool last_keys = kt0 + nk == n;  // this CTA holds the last key tile
+  // Query tile i's buffer and the parity of its mbarrier's phase.
+  const auto buf = [&](int i) { return kKeyBlocks ? i % 4 : i; };
+  const auto phase = [&](int i) { return kKeyBlocks ? (i / 4) & 1 : 0; };
 
   if (threadIdx.x == 0) trace_start(tr);
-  if (threadIdx.x == 0)
-    for (int t = 0; t < n; ++t) mbar_init(s_bar + 8 * t, kLseLoaders + 1);  // + the TMA issuer's arrival
+  if (threadIdx.x == 0) {
+    for (int t = 0; t < nb; ++t) mbar_init(s_bar + 8 * t, kLseLoaders + 1);  // + the TMA issuer's arrival
+    if (kKeyBlocks)
+      for (int c = 0; c < nk; ++c) mbar_init(s_kvbar + 8 * c, 1);
+  }
   // The last slot's columns that WG 0 leaves unwritten, past the bytes O's tile takes (below): zero.
   // Those it takes keep O where WG 0 does not write (rows of O past T are zeros; its real rows
   // are finite wherever the gradients are, since delta carries them into dS): dQ multiplies them
-  // by K's rows past T, zeros; dV and dK's rows for those keys are past T, never stored.
-  if (last_k16 <= 2) {
-    for (int v = int(threadIdx.x) + kTile / 16; v < kSlotBytes / 16; v += kThreads)
-      *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (n - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
+  // by K's rows past T, zeros; dV and dK's rows for those keys are past T, never stored. Key
+  // blocks load no O (delta comes computed): the whole slot.
+  if (last_keys && last_k16 <= 2) {
+    for (int v = int(threadIdx.x) + (kKeyBlocks ? 0 : kTile / 16); v < kSlotBytes / 16; v += kThreads)
+      *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (nk - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
     wgmma::fence_proxy_async();
   }
   __syncthreads();
@@ -268,7 +294,39 @@ __global__ void __launch_bounds__(kThreads, 1)
   // come by TMA, issued by its first thread; rows at or past T arrive as zeros (the tensor maps end
   // at T). lse by cp.async from its last 64 threads, 0 past T (P = 1 against zero Q and dO rows,
   // which adds nothing).
-  if (threadIdx.x == 128) {
+  // Key blocks: this CTA's K and V tiles, then query tiles 0-3 (the passes after, issued by WG 0
+  // at each pass's end, below). A pass's Q and dO by TMA from thread `issuer`, its lse and delta
+  // by cp.async from threads first .. first + 63.
+  const auto load_queries = [&](int pass, int issuer, int first) {
+    for (int i = 4 * pass; i < min(4 * pass + 4, n); ++i) {
+      const uint32_t bar = s_bar + 8 * buf(i);
+      if (int(threadIdx.x) == issuer) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
+        load_wide<HD>(s_q + buf(i) * kTile, kQTile, &qkv_map, &qkv_tail, h * HD, i * kQTile, b, bar);
+        load_wide<HD>(s_do + buf(i) * kTile, kQTile, &do_map, &do_tail, h * HD, i * kQTile, b, bar);
+      } else {
+        const int x = int(threadIdx.x) - first, r = i * kQTile + x;
+        const size_t bh = (size_t(b) * H + h) * T;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + buf(i) * 512 + x * 4),
+                     "l"(__cvta_generic_to_global(lse + bh + (r < T ? r : 0))), "r"(r < T ? 4 : 0)
+                     : "memory");
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + buf(i) * 512 + 256 + x * 4),
+                     "l"(__cvta_generic_to_global(delta + bh + (r < T ? r : 0))), "r"(r < T ? 4 : 0)
+                     : "memory");
+        cp_async_arrive(bar);
+      }
+    }
+  };
+  if (kKeyBlocks) {
+    if (threadIdx.x == 128)
+      for (int c = 0; c < nk; ++c) {
+        const uint32_t bar = s_kvbar + 8 * c;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
+        load_wide<HD>(s_k + c * kTile, kQTile, &qkv_map, &qkv_tail, (H + h) * HD, (kt0 + c) * kQTile, b, bar);
+        load_wide<HD>(s_v + c * kTile, kQTile, &qkv_map, &qkv_tail, (2 * H + h) * HD, (kt0 + c) * kQTile, b, bar);
+      }
+    if (threadIdx.x == 128 || (threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256)) load_queries(0, 128, 256 - kLseLoaders);
+  } else if (threadIdx.x == 128) {
     trace(tr, kBwdIssueBegins);
     for (int t = 0; t < n; ++t) {
       const uint32_t bar = s_bar + 8 * t;
@@ -285,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     trace(tr, kBwdIssued);
   }
-  if (threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256) {
+  if (!kKeyBlocks && threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256) {
     const int x = int(threadIdx.x) - (256 - kLseLoaders);
     const float* lse_bh = lse + (size_t(b) * H + h) * T;
     for (int t = 0; t < n; ++t) {
@@ -302,15 +360,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float scale_log2 = scale * kLog2e;
     const float* stats = reinterpret_cast<const float*>(smem + (s_stats - s_q));
     for (int i = 0; i < n; ++i) {
-      const uint32_t q_i = s_q + i * kTile, do_i = s_do + i * kTile;
+      const int sb = buf(i);
+      const uint32_t q_i = s_q + sb * kTile, do_i = s_do + sb * kTile;
       float l_lo = 0.0f, l_hi = 0.0f, d_lo = 0.0f, d_hi = 0.0f;
       // Key tile c, its first W columns: 64, or in the last tile the 16 or 32 that cover its keys.
       const auto key_tile = [&](int c, auto width) {
         constexpr int W = decltype(width)::value;
-        if (i == 0) mbar_wait(s_bar + 8 * c, 0);  // tile c's K, V (and at c = 0 Q_0, dO_0)
-        else if (c == 0) mbar_wait(s_bar + 8 * i, 0);
+        if (kKeyBlocks) {
+          if (c == 0) mbar_wait(s_bar + 8 * sb, phase(i));  // Q_i, dO_i, lse, delta
+          if (i == 0) mbar_wait(s_kvbar + 8 * c, 0);        // K_c, V_c
+        } else if (i == 0) {
+          mbar_wait(s_bar + 8 * c, 0);  // tile c's K, V (and at c = 0 Q_0, dO_0)
+        } else if (c == 0) {
+          mbar_wait(s_bar + 8 * i, 0);
+        }
         if (i == 0 && threadIdx.x == 0) trace(tr, kBwdLanded + c);
-        if (c == 0) l_lo = stats[i * 128 + warp * 16 + g] * kLog2e, l_hi = stats[i * 128 + warp * 16 + g + 8] * kLog2e;
+        if (c == 0) l_lo = stats[sb * 128 + warp * 16 + g] * kLog2e, l_hi = stats[sb * 128 + warp * 16 + g + 8] * kLog2e;
         wgmma::fence_proxy_async();
         float sc[W / 2], dp[W / 2];
         wgmma::fence();
@@ -329,13 +394,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           sc[4 * j + 1] = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, -l_lo));
           sc[4 * j + 2] = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, -l_hi));
           sc[4 * j + 3] = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, -l_hi));
-          const int key = c * kQTile + 8 * j + 2 * q;
+          const int key = ((kKeyBlocks ? first_key_tile() : 0) + c) * kQTile + 8 * j + 2 * q;
           if (key >= T) sc[4 * j] = sc[4 * j + 2] = 0.0f;
           if (key + 1 >= T) sc[4 * j + 1] = sc[4 * j + 3] = 0.0f;
         }
         wgmma::wait<0>();
-        if (i == 0) bar_sync(kDelta + c, 256);  // WG 2 has written tile c's delta and is done with slot c's O
-        if (c == 0) d_lo = stats[i * 128 + 64 + warp * 16 + g], d_hi = stats[i * 128 + 64 + warp * 16 + g + 8];
+        if (!kKeyBlocks && i == 0) bar_sync(kDelta + c, 256);  // WG 2 has written tile c's delta and is done with slot c's O
+        if (c == 0) d_lo = stats[sb * 128 + 64 + warp * 16 + g], d_hi = stats[sb * 128 + 64 + warp * 16 + g + 8];
         // P and dS = P (dP - delta) into the slot's first W columns as bf16 pairs.
         const uint32_t slot = s_slot + c * kSlotBytes;
         const int row = warp * 16 + g;
@@ -363,8 +428,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       // which 16 rows or fewer are real. P^T and dS^T go to the slots' first 16 queries: all that
       // the key warpgroups (one k16 step) and dQ (rows past T are not stored) read.
       const auto few_rows = [&](auto tiles_c) {
-        constexpr int N = decltype(tiles_c)::value;  // n
-        for (int c = 0; c < N; ++c) mbar_wait(s_bar + 8 * c, 0);  // only waits at n = 1
+        constexpr int N = decltype(tiles_c)::value;  // nk
+        if (kKeyBlocks) {
+          mbar_wait(s_bar + 8 * sb, phase(i));
+          for (int c = 0; c < N; ++c) mbar_wait(s_kvbar + 8 * c, 0);  // only waits at n = 1
+        } else {
+          for (int c = 0; c < N; ++c) mbar_wait(s_bar + 8 * c, 0);  // only waits at n = 1
+        }
         wgmma::fence_proxy_async();
         float st[N][8], dpt[N][8];  // (key 16 warp + g + 8h, query 8j + 2q + e) at [4j + 2h + e]
         wgmma::fence();
@@ -380,20 +450,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int kk = 0; kk < HD / 16; ++kk)
             wgmma::Mma<16>::ss(dpt[c], wide_kdesc<HD>(s_v + c * kTile, kQTile, kk), wide_kdesc<HD>(do_i, kQTile, kk), kk > 0);
         wgmma::commit();
-        if (i == 0)
+        if (!kKeyBlocks && i == 0)
           for (int c = 0; c < N; ++c) bar_sync(kDelta + c, 256);  // WG 2 has written the deltas, is done with the slots' O
         float lq[4], dq4[4];  // lse (times log2 e) and delta of queries 8j + 2q + e, at [2j + e]
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
-          lq[x] = stats[i * 128 + 8 * (x / 2) + 2 * q + x % 2] * kLog2e;
-          dq4[x] = stats[i * 128 + 64 + 8 * (x / 2) + 2 * q + x % 2];
+          lq[x] = stats[sb * 128 + 8 * (x / 2) + 2 * q + x % 2] * kLog2e;
+          dq4[x] = stats[sb * 128 + 64 + 8 * (x / 2) + 2 * q + x % 2];
         }
         wgmma::wait<1>();  // S^T: P^T while dP^T is in flight; 0 for keys at or past T
 #pragma unroll
         for (int c = 0; c < N; ++c)
 #pragma unroll
           for (int x = 0; x < 8; ++x) {
-            const int key = c * kQTile + warp * 16 + g + 8 * ((x >> 1) & 1);
+            const int key = ((kKeyBlocks ? first_key_tile() : 0) + c) * kQTile + warp * 16 + g + 8 * ((x >> 1) & 1);
             st[c][x] = key < T ? exp2_approx(fmaf(st[c][x], scale_log2, -lq[2 * (x >> 2) + (x & 1)])) : 0.0f;
           }
         wgmma::wait<0>();
@@ -417,15 +487,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       };
       if (i + 1 == n && last_k16 == 1) {
-        if (n == 1) few_rows(std::integral_constant<int, 1>{});
-        else if (n == 2) few_rows(std::integral_constant<int, 2>{});
-        else if (n == 3) few_rows(std::integral_constant<int, 3>{});
+        if (nk == 1) few_rows(std::integral_constant<int, 1>{});
+        else if (nk == 2) few_rows(std::integral_constant<int, 2>{});
+        else if (nk == 3) few_rows(std::integral_constant<int, 3>{});
         else few_rows(std::integral_constant<int, 4>{});
       } else {
-        for (int c = 0; c + 1 < n; ++c) key_tile(c, std::integral_constant<int, 64>{});
-        if (last_k16 > 2) key_tile(n - 1, std::integral_constant<int, 64>{});
-        else if (last_k16 == 2) key_tile(n - 1, std::integral_constant<int, 32>{});
-        else key_tile(n - 1, std::integral_constant<int, 16>{});
+        for (int c = 0; c + 1 < nk; ++c) key_tile(c, std::integral_constant<int, 64>{});
+        if (!last_keys || last_k16 > 2) key_tile(nk - 1, std::integral_constant<int, 64>{});
+        else if (last_k16 == 2) key_tile(nk - 1, std::integral_constant<int, 32>{});
+        else key_tile(nk - 1, std::integral_constant<int, 16>{});
       }
       // dQ_i = dS_i K over the n slots (K-major dS as A, K MN-major as B).
       bar_sync(kRows, 128);  // every thread of WG 0 has stored (and fenced) its part of the slots
@@ -433,7 +503,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::fence();
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        if (c < n) {
+        if (c < nk) {
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             wide_mma<HD, false>(dq, wgmma::descriptor(s_slot + c * kSlotBytes + 8192 + kk * 256, 128, 1024),
@@ -443,18 +513,38 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::commit();
       wgmma::wait<0>();
       if (threadIdx.x == 0) trace(tr, kBwdDqComplete + i);
-      if (i + 1 == n) bar_arrive(kDqDone, n > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
+      if (i + 1 == n) bar_arrive(kDqDone, nk > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
       // Both key warpgroups done with query tile i (EMPTY_c: its slots, Q_i and dO_i are free), dQ
       // (times the scale) as bf16 staged in Q_i's tile and stored by TMA. (From the fragments each
       // warp's stores touch 8 rows' 16-byte pieces: ~0.6 us a tile.) By now the key warpgroups are
       // mostly done: their products of the last slot take less than the dQ MMAs above.
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        if (c < n) bar_sync(kEmpty + c, 256);
-      stage_fragments<HD>(smem + i * kTile, dq, scale, scale, warp, g, q);
-      bar_sync(kRows, 128);
-      if (threadIdx.x == 0) {
-        store_wide<HD>(q_i, &dqkv_map, &dqkv_tail, h * HD, i * kQTile, b);
+        if (c < nk) bar_sync(kEmpty + c, 256);
+      if constexpr (kKeyBlocks) {
+        // This key block's part of dQ_i (times the scale), fp32 into its own plane of dq_partial
+        // ([key block][B, T, H, hd]); a pass after the kernel sums the planes in order.
+        const int r_lo = i * kQTile + warp * 16 + g;
+        float2* lo = reinterpret_cast<float2*>(dq_partial + ((size_t(kb) * gridDim.y * T + size_t(b) * T + r_lo) * H + h) * HD) + q;
+        float2* hi = lo + 4 * H * HD;  // 8 rows on
+        if (r_lo < T)
+#pragma unroll
+          for (int m = 0; m < HD / 8; ++m) lo[4 * m] = make_float2(dq[4 * m] * scale, dq[4 * m + 1] * scale);
+        if (r_lo + 8 < T)
+#pragma unroll
+          for (int m = 0; m < HD / 8; ++m) hi[4 * m] = make_float2(dq[4 * m + 2] * scale, dq[4 * m + 3] * scale);
+        // The pass's last query tile: once the key warpgroups are done with its buffers too, the
+        // next pass's loads (from WG 0: the key warpgroups have no registers to spare).
+        if (i % 4 == 3 && i + 1 < n) {
+          bar_sync(kPass, nk > 2 ? 384 : 256);
+          if (threadIdx.x == 0 || threadIdx.x >= 128 - kLseLoaders) load_queries(i / 4 + 1, 0, 128 - kLseLoaders);
+        }
+      } else {
+        stage_fragments<HD>(smem + i * kTile, dq, scale, scale, warp, g, q);
+        bar_sync(kRows, 128);
+        if (threadIdx.x == 0) {
+          store_wide<HD>(q_i, &dqkv_map, &dqkv_tail, h * HD, i * kQTile, b);
+        }
       }
       if (threadIdx.x == 0) trace(tr, kBwdDqStored + i);
     }
@@ -463,7 +553,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {  // keys: dV, dK for key tiles 2j, 2j + 1
     regs_inc<kKeyRegs>();
     const int j = wg - 1;
-    if (j == 1) {  // first, delta = rowsum(dO * O) (0 past T) tile by tile for WG 0, O from slot t:
+    if (!kKeyBlocks && j == 1) {  // first, delta = rowsum(dO * O) (0 past T) tile by tile for WG 0, O from slot t:
                    // two threads a row, on alternate 16-byte vectors
       float* stats_w = reinterpret_cast<float*>(smem + (s_stats - s_q));
       const int x = int(threadIdx.x) - 256, half = x & 1;
@@ -498,21 +588,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int e = 0; e < HD / 2; ++e) dv[t][e] = dk[t][e] = 0.0f;
-    if (2 * j >= n) {
+    if (2 * j >= nk) {
       trace_end(tr);
       return;
     }
     for (int i = 0; i < n; ++i) {
-      mbar_wait(s_bar + 8 * i, 0);  // Q_i, dO_i
+      mbar_wait(s_bar + 8 * buf(i), phase(i));  // Q_i, dO_i
       wgmma::fence_proxy_async();
-      const uint32_t q_i = s_q + i * kTile, do_i = s_do + i * kTile;
+      const uint32_t q_i = s_q + buf(i) * kTile, do_i = s_do + buf(i) * kTile;
       // Over the tile's queries: 4 k16 steps, in a last, partial tile the 1 or 2 that cover them.
       const auto products = [&](auto steps) {
         constexpr int kSteps = decltype(steps)::value;
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           const int c = 2 * j + t;
-          if (c < n) {
+          if (c < nk) {
             bar_sync(kFull + c, 256);
             const uint32_t slot = s_slot + c * kSlotBytes;
             wgmma::fence();
@@ -535,7 +625,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (i + 1 < n)  // (after the last query tile: below, once dV is staged)
 #pragma unroll
         for (int t = 0; t < 2; ++t)
-          if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
+          if (2 * j + t < nk) bar_arrive(kEmpty + 2 * j + t, 256);
+      if (kKeyBlocks && i % 4 == 3 && i + 1 < n) bar_arrive(kPass, nk > 2 ? 384 : 256);  // done with the pass's buffers
     }
     // dV, then dK (times the scale), as bf16 through this warpgroup's own V tiles (WG 0 read them
     // last for dP of the last query tile, before it filled that tile's slot) and K tiles (after
@@ -545,21 +636,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int part = 0; part < 2; ++part) {  // dV through the V tiles, then dK through the K tiles
       const uint32_t tiles = part == 0 ? s_v : s_k;
-      if (part == 1) bar_sync(kDqDone, n > 2 ? 384 : 256);  // WG 0's last dQ has read the K tiles
+      if (part == 1) bar_sync(kDqDone, nk > 2 ? 384 : 256);  // WG 0's last dQ has read the K tiles
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const float mult = part == 0 ? 1.0f : scale;
-        if (2 * j + t < n)
+        if (2 * j + t < nk)
           stage_fragments<HD>(smem + (tiles - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
       if (part == 0)  // done with the last query tile's Q: WG 0 stages its dQ there
         for (int t = 0; t < 2; ++t)
-          if (2 * j + t < n) bar_arrive(kEmpty + 2 * j + t, 256);
+          if (2 * j + t < nk) bar_arrive(kEmpty + 2 * j + t, 256);
       if (issuer) {
         trace(tr, kBwdStaged + 2 * part + j);
-        for (int c = 2 * j; c < min(2 * j + 2, n); ++c)
-          store_wide<HD>(tiles + c * kTile, &dqkv_map, &dqkv_tail, ((part == 0 ? 2 : 1) * H + h) * HD, c * kQTile, b);
+        for (int c = 2 * j; c < min(2 * j + 2, nk); ++c)
+          store_wide<HD>(tiles + c * kTile, &dqkv_map, &dqkv_tail, ((part == 0 ? 2 : 1) * H + h) * HD,
+                         ((kKeyBlocks ? first_key_tile() : 0) + c) * kQTile, b);
         trace(tr, kBwdWritten + 2 * part + j);
       }
     }
@@ -852,29 +944,69 @@ void attention_trace::set_buffer(unsigned long long* buffer) {
 }
 #endif
 
+namespace {
+constexpr int kKeyBlockMaxT = 1024;  // past 256 tokens, key blocks of 4 tiles: the dQ planes' workspace grows as T^2
+int key_blocks(int T) { return (tiles(T) + 3) / 4; }
+// Key blocks' shared memory: 4 tiles' (as at 256 tokens) and 4 more mbarriers (K_c, V_c's own).
+constexpr int key_block_smem_bytes(int hd) { return smem_bytes(4, hd) + 8 * 4; }
+
+// dqkv's Q columns = the sum of the key blocks' dQ planes ([planes][B * T, H * hd] fp32), in
+// plane order (deterministic), as bf16.
+__global__ void dq_planes_sum_kernel(const float2* __restrict__ planes, int count, size_t plane_pairs, bf16* __restrict__ dqkv,
+                                     int row_pairs) {
+  for (size_t p = blockIdx.x * size_t(blockDim.x) + threadIdx.x; p < plane_pairs; p += size_t(gridDim.x) * blockDim.x) {
+    float2 sum = planes[p];
+    for (int k = 1; k < count; ++k) {
+      const float2 v = planes[k * plane_pairs + p];
+      sum.x += v.x, sum.y += v.y;
+    }
+    const size_t row = p / row_pairs, pair = p % row_pairs;  // dqkv rows are 3 H hd wide: Q first
+    reinterpret_cast<__nv_bfloat162*>(dqkv)[row * 3 * row_pairs + pair] = __float22bfloat162_rn(sum);
+  }
+}
+}  // namespace
+
 bool attention_resident_fits(int T, int hd, int dev) {
   const DeviceInfo info = device_info(dev);
-  return (hd == 64 || hd == 80) && T >= 1 && T <= 4 * kQTile && sm90a(info) && smem_bytes(tiles(T), hd) <= info.smem_optin;
+  const int smem = T <= 4 * kQTile ? smem_bytes(tiles(T), hd) : key_block_smem_bytes(hd);
+  return (hd == 64 || hd == 80) && T >= 1 && T <= kKeyBlockMaxT && sm90a(info) && smem <= info.smem_optin;
 }
 
-void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse, bf16* dqkv,
-                                 int B, int T, int H, int hd, int dev, cudaStream_t stream) {
+size_t attention_resident_dq_plane_floats(int B, int T, int H, int hd) {
+  return T <= 4 * kQTile || T > kKeyBlockMaxT ? 0 : size_t(key_blocks(T)) * B * T * H * hd;
+}
+
+void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse, const float* delta,
+                                 float* dq_planes, bf16* dqkv, int B, int T, int H, int hd, int dev, cudaStream_t stream) {
   ENSURE(attention_resident_fits(T, hd, dev), "attention_backward_resident: T " + std::to_string(T) + ", hd " +
-                                                  std::to_string(hd) + " is not its shape (T <= 256, hd 64 or 80, sm_90a)");
-  const int smem = smem_bytes(tiles(T), hd);
-  const auto launch = [&](auto hd_c) {
+                                                  std::to_string(hd) + " is not its shape (T <= 1024, hd 64 or 80, sm_90a)");
+  const bool blocks = T > 4 * kQTile;
+  ENSURE(!blocks || (delta && dq_planes), "attention_backward_resident: past 256 tokens it takes delta and the dQ planes");
+  const auto launch = [&](auto hd_c, auto blocks_c) {
     constexpr int HD = decltype(hd_c)::value;
-    prepare_kernel<&attention_backward_resident_kernel<HD>>(dev, smem_bytes(4, HD));  // the largest; smaller launch under it
+    constexpr bool kBlocks = decltype(blocks_c)::value;
+    // The attribute is set once, for the largest; smaller launch under it.
+    prepare_kernel<&attention_backward_resident_kernel<HD, kBlocks>>(dev, key_block_smem_bytes(HD));
     const auto qkv_maps = wide_maps(qkv, B, T, 3 * H * HD, HD, kQTile);
     const auto do_maps = wide_maps(dout, B, T, H * HD, HD, kQTile), out_maps = wide_maps(out, B, T, H * HD, HD, kQTile);
     const auto dqkv_maps = wide_maps(dqkv, B, T, 3 * H * HD, HD, kQTile);
-    attention_backward_resident_kernel<HD><<<dim3(H, B), kThreads, smem, stream>>>(
-        qkv_maps.first, do_maps.first, dqkv_maps.first, qkv_maps.second, do_maps.second, dqkv_maps.second,
-        out_maps.first, out_maps.second, lse, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+    attention_backward_resident_kernel<HD, kBlocks>
+        <<<dim3(H, B, kBlocks ? key_blocks(T) : 1), kThreads, kBlocks ? key_block_smem_bytes(HD) : smem_bytes(tiles(T), HD),
+           stream>>>(qkv_maps.first, do_maps.first, dqkv_maps.first, qkv_maps.second, do_maps.second, dqkv_maps.second,
+                     out_maps.first, out_maps.second, lse, delta, dq_planes, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
-  if (hd == 64) launch(std::integral_constant<int, 64>{});
-  else launch(std::integral_constant<int, 80>{});
+  if (!blocks) {
+    if (hd == 64) launch(std::integral_constant<int, 64>{}, std::false_type{});
+    else launch(std::integral_constant<int, 80>{}, std::false_type{});
+    return;
+  }
+  if (hd == 64) launch(std::integral_constant<int, 64>{}, std::true_type{});
+  else launch(std::integral_constant<int, 80>{}, std::true_type{});
+  const size_t plane_pairs = size_t(B) * T * H * hd / 2;
+  dq_planes_sum_kernel<<<grid_stride_blocks(plane_pairs, 256), 256, 0, stream>>>(
+      reinterpret_cast<const float2*>(dq_planes), key_blocks(T), plane_pairs, dqkv, H * hd / 2);
+  LAUNCH_CHECK();
 }
 
 bool attention_forward_resident_fits(int T, int hd, int dev) {

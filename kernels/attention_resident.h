@@ -8,6 +8,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 // Whether (T, hd) runs on these kernels on device dev (sm_90a, enough shared memory).
 bool attention_resident_fits(int T, int hd, int dev);
 bool attention_forward_resident_fits(int T, int hd, int dev);
@@ -19,6 +21,12 @@ bool attention_forward_resident_preferred(int T, int hd, int dev);
 void attention_forward_resident(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse, int B, int T, int H, int hd,
                                 int dev, cudaStream_t stream);
 
+// Past 256 tokens the backward runs in key blocks (up to 1024 tokens): a CTA per (image, head,
+// 4 key tiles), every query tile streamed through it; delta (rowsum(dout * out), [B, H, T]) comes
+// computed, and each key block writes its part of dQ into its own fp32 plane of dq_planes
+// (attention_resident_dq_plane_floats), summed in order after it (deterministic). Up to 256
+// tokens both are unused (nullptr).
+size_t attention_resident_dq_plane_floats(int B, int T, int H, int hd);
 void attention_backward_resident(const __nv_bfloat16* qkv, const __nv_bfloat16* out, const __nv_bfloat16* dout,
-                                 const float* lse, __nv_bfloat16* dqkv, int B, int T, int H, int hd, int dev,
-                                 cudaStream_t stream);
+                                 const float* lse, const float* delta, float* dq_planes, __nv_bfloat16* dqkv, int B,
+                                 int T, int H, int hd, int dev, cudaStream_t stream);

@@ -83,7 +83,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
   w.add(&dln_, M * D);
   w.add(&dattn_, M * D);
   w.add(&dqkv_, M * 3 * D);
-  w.add(&delta_, M * cfg.heads);
+  w.add(&delta_, attention_backward_workspace_floats(B, T_, cfg.heads, cfg.head_dim()));
   w.add(&dlogits_, B * classes_ld_);
   w.add(&dfeat_, B * D);
   w.add(&dpatch_, B * P * D);

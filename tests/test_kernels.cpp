@@ -454,7 +454,7 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
     ref::attention_backward(s.B, s.T, s.H, s.hd, qkv, dout, &dqkv_ref);
 
     DeviceBuffer<bf16> dqkv_in(to_bf16(qkv)), out(rows * D), ddout(to_bf16(dout)), dqkv(rows * 3 * D);
-    DeviceBuffer<float> lse(rows * s.H), delta(rows * s.H);
+    DeviceBuffer<float> lse(rows * s.H), delta(attention_backward_workspace_floats(s.B, s.T, s.H, s.hd));
     // Every forward that applies, poisoned outputs each; the backward then runs on Auto's.
     const bool resident_fwd = attention_forward_resident_supported(s.T, s.hd);
     // where K and V fit in shared memory beside two Q tiles
@@ -477,7 +477,7 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
     CHECK(single == (s.T <= 96 && (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 80)));
     if (single) kinds.push_back(AttentionBackward::SinglePass);
     const bool resident = attention_resident_supported(s.T, s.hd);
-    CHECK(resident == (s.T <= 256 && (s.hd == 64 || s.hd == 80)));
+    CHECK(resident == (s.T <= 1024 && (s.hd == 64 || s.hd == 80)));  // past 256 tokens in key blocks
     if (resident) kinds.push_back(AttentionBackward::Resident);
     for (const AttentionBackward kind : kinds) {
       CAPTURE(static_cast<int>(kind));

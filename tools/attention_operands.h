@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include "engine/check.h"
+#include "kernels/attention.h"
 #include "kernels/elementwise.h"
 #include "kernels/random.h"
 
@@ -21,7 +22,7 @@ struct AttentionOperands {
     CUDA_CHECK(cudaMalloc(&out, rows * D * 2));
     CUDA_CHECK(cudaMalloc(&dout, rows * D * 2));
     CUDA_CHECK(cudaMalloc(&lse, size_t(B) * H * T * 4));
-    CUDA_CHECK(cudaMalloc(&delta, size_t(B) * H * T * 4));
+    CUDA_CHECK(cudaMalloc(&delta, attention_backward_workspace_floats(B, T, H, hd) * 4));
     fill_normal(tmp, rows * 3 * D, 1, 1, 0, 1, -1e30f, 1e30f, 0);
     cast_to_bf16(tmp, qkv, rows * 3 * D, 0);
     cast_to_bf16(tmp, dout, rows * D, 0);
