@@ -23,6 +23,14 @@
 // Hand-overs: the loads land on one mbarrier per tile (TMA bytes, lse by cp.async); slot c goes
 // from WG 0 to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta
 // (and slot t) through DELTA_t; the K tiles, after WG 0's last dQ, through DQ_DONE.
+// Key blocks (hd 64, 257 to 1024 tokens; kKeyBlocks): a CTA per (head, image, 4 key tiles) with the
+// same warpgroups and layouts, its K and V loaded once, the query tiles through 4 buffers in
+// passes of 4 (WG 0 loads the next pass once every warpgroup is done with the last: the key
+// warpgroups have no registers to spare). delta comes computed (attention.cu's kernel), no O is
+// loaded, and dQ_i's part over this block's keys goes, fp32, to the block's own plane of a
+// workspace; dq_planes_sum_kernel adds the planes in order (deterministic). The last query tile
+// takes the key_tile path even where few_rows would apply (there few_rows faulted under
+// compute-sanitizer memcheck, BENCHMARKS.md 33).
 // Shared-memory layouts:
 //   Operand tiles "wide" (wide_offset): columns 0-63 in the 128-byte swizzle (128-byte rows), then
 //     at hd 80 columns 64-79 in the 32-byte swizzle, at hd 128 columns 64-127 in the 128-byte one.
@@ -267,7 +275,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // k16 steps that cover the last tile's rows (as keys of dQ, as queries of dK and dV): the rest
   // contribute nothing (P and dS are 0 on padding keys, dO and Q on padding queries).
   const int last_k16 = (T - (n - 1) * kQTile + 15) / 16;
-  const bool last_keys = kt0 + nk == n;  // this CTA holds the last key tile
+  // nk, and whether this CTA holds the last key tile, worked out where used (first_key_tile: a
+  // value held through the loops made ptxas serialize the wgmmas)
+  const auto key_tiles_here = [&] { return kKeyBlocks ? min(4, n - first_key_tile()) : n; };
+  const auto holds_last_keys = [&] { return !kKeyBlocks || first_key_tile() + 4 >= n; };
   // Query tile i's buffer and the parity of its mbarrier's phase.
   const auto buf = [&](int i) { return kKeyBlocks ? i % 4 : i; };
   const auto phase = [&](int i) { return kKeyBlocks ? (i / 4) & 1 : 0; };
@@ -283,9 +294,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // are finite wherever the gradients are, since delta carries them into dS): dQ multiplies them
   // by K's rows past T, zeros; dV and dK's rows for those keys are past T, never stored. Key
   // blocks load no O (delta comes computed): the whole slot.
-  if (last_keys && last_k16 <= 2) {
+  if (holds_last_keys() && last_k16 <= 2) {
     for (int v = int(threadIdx.x) + (kKeyBlocks ? 0 : kTile / 16); v < kSlotBytes / 16; v += kThreads)
-      *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (nk - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (key_tiles_here() - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
     wgmma::fence_proxy_async();
   }
   __syncthreads();
@@ -319,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (kKeyBlocks) {
     if (threadIdx.x == 128)
-      for (int c = 0; c < nk; ++c) {
+      for (int c = 0; c < key_tiles_here(); ++c) {
         const uint32_t bar = s_kvbar + 8 * c;
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
         load_wide<HD>(s_k + c * kTile, kQTile, &qkv_map, &qkv_tail, (H + h) * HD, (kt0 + c) * kQTile, b, bar);
@@ -428,13 +439,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // which 16 rows or fewer are real. P^T and dS^T go to the slots' first 16 queries: all that
       // the key warpgroups (one k16 step) and dQ (rows past T are not stored) read.
       const auto few_rows = [&](auto tiles_c) {
-        constexpr int N = decltype(tiles_c)::value;  // nk
-        if (kKeyBlocks) {
-          mbar_wait(s_bar + 8 * sb, phase(i));
-          for (int c = 0; c < N; ++c) mbar_wait(s_kvbar + 8 * c, 0);  // only waits at n = 1
-        } else {
-          for (int c = 0; c < N; ++c) mbar_wait(s_bar + 8 * c, 0);  // only waits at n = 1
-        }
+        constexpr int N = decltype(tiles_c)::value;  // n (not taken in key blocks)
+        for (int c = 0; c < N; ++c) mbar_wait(s_bar + 8 * c, 0);  // only waits at n = 1
         wgmma::fence_proxy_async();
         float st[N][8], dpt[N][8];  // (key 16 warp + g + 8h, query 8j + 2q + e) at [4j + 2h + e]
         wgmma::fence();
@@ -450,20 +456,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int kk = 0; kk < HD / 16; ++kk)
             wgmma::Mma<16>::ss(dpt[c], wide_kdesc<HD>(s_v + c * kTile, kQTile, kk), wide_kdesc<HD>(do_i, kQTile, kk), kk > 0);
         wgmma::commit();
-        if (!kKeyBlocks && i == 0)
+        if (i == 0)
           for (int c = 0; c < N; ++c) bar_sync(kDelta + c, 256);  // WG 2 has written the deltas, is done with the slots' O
         float lq[4], dq4[4];  // lse (times log2 e) and delta of queries 8j + 2q + e, at [2j + e]
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
-          lq[x] = stats[sb * 128 + 8 * (x / 2) + 2 * q + x % 2] * kLog2e;
-          dq4[x] = stats[sb * 128 + 64 + 8 * (x / 2) + 2 * q + x % 2];
+          lq[x] = stats[i * 128 + 8 * (x / 2) + 2 * q + x % 2] * kLog2e;
+          dq4[x] = stats[i * 128 + 64 + 8 * (x / 2) + 2 * q + x % 2];
         }
         wgmma::wait<1>();  // S^T: P^T while dP^T is in flight; 0 for keys at or past T
 #pragma unroll
         for (int c = 0; c < N; ++c)
 #pragma unroll
           for (int x = 0; x < 8; ++x) {
-            const int key = ((kKeyBlocks ? first_key_tile() : 0) + c) * kQTile + warp * 16 + g + 8 * ((x >> 1) & 1);
+            const int key = c * kQTile + warp * 16 + g + 8 * ((x >> 1) & 1);
             st[c][x] = key < T ? exp2_approx(fmaf(st[c][x], scale_log2, -lq[2 * (x >> 2) + (x & 1)])) : 0.0f;
           }
         wgmma::wait<0>();
@@ -486,16 +492,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (threadIdx.x == 0) trace(tr, kBwdSlotFull + 4 * i + c);
         }
       };
-      if (i + 1 == n && last_k16 == 1) {
-        if (nk == 1) few_rows(std::integral_constant<int, 1>{});
-        else if (nk == 2) few_rows(std::integral_constant<int, 2>{});
-        else if (nk == 3) few_rows(std::integral_constant<int, 3>{});
+      if (!kKeyBlocks && i + 1 == n && last_k16 == 1) {  // (key blocks: under memcheck this path faulted)
+        if (n == 1) few_rows(std::integral_constant<int, 1>{});
+        else if (n == 2) few_rows(std::integral_constant<int, 2>{});
+        else if (n == 3) few_rows(std::integral_constant<int, 3>{});
         else few_rows(std::integral_constant<int, 4>{});
       } else {
-        for (int c = 0; c + 1 < nk; ++c) key_tile(c, std::integral_constant<int, 64>{});
-        if (!last_keys || last_k16 > 2) key_tile(nk - 1, std::integral_constant<int, 64>{});
-        else if (last_k16 == 2) key_tile(nk - 1, std::integral_constant<int, 32>{});
-        else key_tile(nk - 1, std::integral_constant<int, 16>{});
+        for (int c = 0; c + 1 < key_tiles_here(); ++c) key_tile(c, std::integral_constant<int, 64>{});
+        if (!holds_last_keys() || last_k16 > 2) key_tile(key_tiles_here() - 1, std::integral_constant<int, 64>{});
+        else if (last_k16 == 2) key_tile(key_tiles_here() - 1, std::integral_constant<int, 32>{});
+        else key_tile(key_tiles_here() - 1, std::integral_constant<int, 16>{});
       }
       // dQ_i = dS_i K over the n slots (K-major dS as A, K MN-major as B).
       bar_sync(kRows, 128);  // every thread of WG 0 has stored (and fenced) its part of the slots
@@ -503,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::fence();
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        if (c < nk) {
+        if (c < key_tiles_here()) {
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             wide_mma<HD, false>(dq, wgmma::descriptor(s_slot + c * kSlotBytes + 8192 + kk * 256, 128, 1024),
@@ -513,14 +519,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::commit();
       wgmma::wait<0>();
       if (threadIdx.x == 0) trace(tr, kBwdDqComplete + i);
-      if (i + 1 == n) bar_arrive(kDqDone, nk > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
+      if (i + 1 == n) bar_arrive(kDqDone, key_tiles_here() > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
       // Both key warpgroups done with query tile i (EMPTY_c: its slots, Q_i and dO_i are free), dQ
       // (times the scale) as bf16 staged in Q_i's tile and stored by TMA. (From the fragments each
       // warp's stores touch 8 rows' 16-byte pieces: ~0.6 us a tile.) By now the key warpgroups are
       // mostly done: their products of the last slot take less than the dQ MMAs above.
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        if (c < nk) bar_sync(kEmpty + c, 256);
+        if (c < key_tiles_here()) bar_sync(kEmpty + c, 256);
       if constexpr (kKeyBlocks) {
         // This key block's part of dQ_i (times the scale), fp32 into its own plane of dq_partial
         // ([key block][B, T, H, hd]); a pass after the kernel sums the planes in order.
@@ -536,7 +542,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The pass's last query tile: once the key warpgroups are done with its buffers too, the
         // next pass's loads (from WG 0: the key warpgroups have no registers to spare).
         if (i % 4 == 3 && i + 1 < n) {
-          bar_sync(kPass, nk > 2 ? 384 : 256);
+          bar_sync(kPass, key_tiles_here() > 2 ? 384 : 256);
           if (threadIdx.x == 0 || threadIdx.x >= 128 - kLseLoaders) load_queries(i / 4 + 1, 0, 128 - kLseLoaders);
         }
       } else {
@@ -588,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int e = 0; e < HD / 2; ++e) dv[t][e] = dk[t][e] = 0.0f;
-    if (2 * j >= nk) {
+    if (2 * j >= key_tiles_here()) {
       trace_end(tr);
       return;
     }
@@ -602,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           const int c = 2 * j + t;
-          if (c < nk) {
+          if (c < key_tiles_here()) {
             bar_sync(kFull + c, 256);
             const uint32_t slot = s_slot + c * kSlotBytes;
             wgmma::fence();
@@ -625,8 +631,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (i + 1 < n)  // (after the last query tile: below, once dV is staged)
 #pragma unroll
         for (int t = 0; t < 2; ++t)
-          if (2 * j + t < nk) bar_arrive(kEmpty + 2 * j + t, 256);
-      if (kKeyBlocks && i % 4 == 3 && i + 1 < n) bar_arrive(kPass, nk > 2 ? 384 : 256);  // done with the pass's buffers
+          if (2 * j + t < key_tiles_here()) bar_arrive(kEmpty + 2 * j + t, 256);
+      if (kKeyBlocks && i % 4 == 3 && i + 1 < n) bar_arrive(kPass, key_tiles_here() > 2 ? 384 : 256);  // done with the pass's buffers
     }
     // dV, then dK (times the scale), as bf16 through this warpgroup's own V tiles (WG 0 read them
     // last for dP of the last query tile, before it filled that tile's slot) and K tiles (after
@@ -636,20 +642,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int part = 0; part < 2; ++part) {  // dV through the V tiles, then dK through the K tiles
       const uint32_t tiles = part == 0 ? s_v : s_k;
-      if (part == 1) bar_sync(kDqDone, nk > 2 ? 384 : 256);  // WG 0's last dQ has read the K tiles
+      if (part == 1) bar_sync(kDqDone, key_tiles_here() > 2 ? 384 : 256);  // WG 0's last dQ has read the K tiles
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const float mult = part == 0 ? 1.0f : scale;
-        if (2 * j + t < nk)
+        if (2 * j + t < key_tiles_here())
           stage_fragments<HD>(smem + (tiles - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
       if (part == 0)  // done with the last query tile's Q: WG 0 stages its dQ there
         for (int t = 0; t < 2; ++t)
-          if (2 * j + t < nk) bar_arrive(kEmpty + 2 * j + t, 256);
+          if (2 * j + t < key_tiles_here()) bar_arrive(kEmpty + 2 * j + t, 256);
       if (issuer) {
         trace(tr, kBwdStaged + 2 * part + j);
-        for (int c = 2 * j; c < min(2 * j + 2, nk); ++c)
+        for (int c = 2 * j; c < min(2 * j + 2, key_tiles_here()); ++c)
           store_wide<HD>(tiles + c * kTile, &dqkv_map, &dqkv_tail, ((part == 0 ? 2 : 1) * H + h) * HD,
                          ((kKeyBlocks ? first_key_tile() : 0) + c) * kQTile, b);
         trace(tr, kBwdWritten + 2 * part + j);
@@ -964,22 +970,32 @@ __global__ void dq_planes_sum_kernel(const float2* __restrict__ planes, int coun
     reinterpret_cast<__nv_bfloat162*>(dqkv)[row * 3 * row_pairs + pair] = __float22bfloat162_rn(sum);
   }
 }
+
+// Key blocks at hd 64 only: at hd 80 that kernel spills (136 bytes; BENCHMARKS.md 33).
+bool key_blocks_apply(int T, int hd) { return hd == 64 && T > 4 * kQTile && T <= kKeyBlockMaxT; }
 }  // namespace
 
 bool attention_resident_fits(int T, int hd, int dev) {
   const DeviceInfo info = device_info(dev);
-  const int smem = T <= 4 * kQTile ? smem_bytes(tiles(T), hd) : key_block_smem_bytes(hd);
-  return (hd == 64 || hd == 80) && T >= 1 && T <= kKeyBlockMaxT && sm90a(info) && smem <= info.smem_optin;
+  const bool blocks = key_blocks_apply(T, hd);
+  const int smem = blocks ? key_block_smem_bytes(hd) : smem_bytes(tiles(T), hd);
+  return (hd == 64 || hd == 80) && T >= 1 && (T <= 4 * kQTile || blocks) && sm90a(info) && smem <= info.smem_optin;
+}
+
+bool attention_resident_preferred(int T, int hd, int dev) {
+  // Key blocks: faster than the streamed backward from 449 tokens (-12%; 577: -8.5%), not at 257
+  // (+1%: a second block of one tile), BENCHMARKS.md 33.
+  return attention_resident_fits(T, hd, dev) && (T <= 4 * kQTile || T > 5 * kQTile);
 }
 
 size_t attention_resident_dq_plane_floats(int B, int T, int H, int hd) {
-  return T <= 4 * kQTile || T > kKeyBlockMaxT ? 0 : size_t(key_blocks(T)) * B * T * H * hd;
+  return key_blocks_apply(T, hd) ? size_t(key_blocks(T)) * B * T * H * hd : 0;
 }
 
 void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse, const float* delta,
                                  float* dq_planes, bf16* dqkv, int B, int T, int H, int hd, int dev, cudaStream_t stream) {
   ENSURE(attention_resident_fits(T, hd, dev), "attention_backward_resident: T " + std::to_string(T) + ", hd " +
-                                                  std::to_string(hd) + " is not its shape (T <= 1024, hd 64 or 80, sm_90a)");
+                                                  std::to_string(hd) + " is not its shape (hd 64 up to 1024 tokens, 80 up to 256; sm_90a)");
   const bool blocks = T > 4 * kQTile;
   ENSURE(!blocks || (delta && dq_planes), "attention_backward_resident: past 256 tokens it takes delta and the dQ planes");
   const auto launch = [&](auto hd_c, auto blocks_c) {
@@ -1001,8 +1017,7 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     else launch(std::integral_constant<int, 80>{}, std::false_type{});
     return;
   }
-  if (hd == 64) launch(std::integral_constant<int, 64>{}, std::true_type{});
-  else launch(std::integral_constant<int, 80>{}, std::true_type{});
+  launch(std::integral_constant<int, 64>{}, std::true_type{});  // key_blocks_apply: hd 64
   const size_t plane_pairs = size_t(B) * T * H * hd / 2;
   dq_planes_sum_kernel<<<grid_stride_blocks(plane_pairs, 256), 256, 0, stream>>>(
       reinterpret_cast<const float2*>(dq_planes), key_blocks(T), plane_pairs, dqkv, H * hd / 2);

@@ -12,6 +12,9 @@
 
 // Whether (T, hd) runs on these kernels on device dev (sm_90a, enough shared memory).
 bool attention_resident_fits(int T, int hd, int dev);
+// Whether the backward is the faster there, as measured: up to 256 tokens, and in key blocks from
+// 321 (BENCHMARKS.md 33).
+bool attention_resident_preferred(int T, int hd, int dev);
 bool attention_forward_resident_fits(int T, int hd, int dev);
 // Whether it is the faster forward there, as measured (BENCHMARKS.md 27): from two 64-query tiles
 // on (65-256 tokens: 13-24% faster at 65, 128, 145, 197 and 236), not at one (at 50 tokens, hd
@@ -21,8 +24,8 @@ bool attention_forward_resident_preferred(int T, int hd, int dev);
 void attention_forward_resident(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse, int B, int T, int H, int hd,
                                 int dev, cudaStream_t stream);
 
-// Past 256 tokens the backward runs in key blocks (up to 1024 tokens): a CTA per (image, head,
-// 4 key tiles), every query tile streamed through it; delta (rowsum(dout * out), [B, H, T]) comes
+// Past 256 tokens at hd 64 the backward runs in key blocks (up to 1024 tokens): a CTA per (image,
+// head, 4 key tiles), every query tile streamed through it; delta (rowsum(dout * out), [B, H, T]) comes
 // computed, and each key block writes its part of dQ into its own fp32 plane of dq_planes
 // (attention_resident_dq_plane_floats), summed in order after it (deterministic). Up to 256
 // tokens both are unused (nullptr).
