@@ -61,7 +61,7 @@ std::string usage() {
              "  --attention A          the attention kernels: auto (default: the fastest that apply), single-pass\n"
              "                         (backward; T <= 96, head dim 16/32/64/80), resident (Hopper wgmma; forward:\n"
              "                         head dim 64/80/128 up to 832/656/384 tokens, backward: head dim 64/80 up to\n"
-             "                         256) or streamed (forward and backward, any shape)\n"
+             "                         256, 64 up to 1024) or streamed (forward and backward, any shape)\n"
              "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
              "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
              "  --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)\n"

@@ -47,13 +47,12 @@
 
 #include <cmath>
 #include <string>
-
-#include "kernels/common.cuh"
 #include <utility>
 
 #include "engine/check.h"
 #include "kernels/attention_common.cuh"
 #include "kernels/attention_trace.h"
+#include "kernels/common.cuh"
 #include "kernels/tma.cuh"
 #include "kernels/wgmma.cuh"
 
@@ -257,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                        const __grid_constant__ CUtensorMap do_tail, const __grid_constant__ CUtensorMap dqkv_tail,
                                        const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap out_tail,
                                        const float* __restrict__ lse, const float* __restrict__ delta,
-                                       float* __restrict__ dq_partial, int T, int H, float scale) {
+                                       float* __restrict__ dq_planes, int T, int H, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = kKeyBlocks ? nullptr : trace_row();  // (the stamps' slots count 4 tiles)
   constexpr int kTile = q_bytes(HD);
@@ -330,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (kKeyBlocks) {
     if (threadIdx.x == 128)
-      for (int c = 0; c < key_tiles_here(); ++c) {
+      for (int c = 0; c < nk; ++c) {
         const uint32_t bar = s_kvbar + 8 * c;
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
         load_wide<HD>(s_k + c * kTile, kQTile, &qkv_map, &qkv_tail, (H + h) * HD, (kt0 + c) * kQTile, b, bar);
@@ -528,10 +527,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int c = 0; c < 4; ++c)
         if (c < key_tiles_here()) bar_sync(kEmpty + c, 256);
       if constexpr (kKeyBlocks) {
-        // This key block's part of dQ_i (times the scale), fp32 into its own plane of dq_partial
+        // This key block's part of dQ_i (times the scale), fp32 into its own plane of dq_planes
         // ([key block][B, T, H, hd]); a pass after the kernel sums the planes in order.
         const int r_lo = i * kQTile + warp * 16 + g;
-        float2* lo = reinterpret_cast<float2*>(dq_partial + ((size_t(kb) * gridDim.y * T + size_t(b) * T + r_lo) * H + h) * HD) + q;
+        float2* lo = reinterpret_cast<float2*>(dq_planes + ((size_t(kb) * gridDim.y * T + size_t(b) * T + r_lo) * H + h) * HD) + q;
         float2* hi = lo + 4 * H * HD;  // 8 rows on
         if (r_lo < T)
 #pragma unroll
