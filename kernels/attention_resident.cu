@@ -237,34 +237,32 @@ __device__ __forceinline__ void trace(unsigned long long*, int) {}
 __device__ __forceinline__ void trace_end(unsigned long long*) {}
 #endif
 
-// The CTA's first key tile in key-block mode (4 blockIdx.z), read where used: held in a register
-// through the loops it made ptxas serialize the wgmmas (C7512).
-__device__ __forceinline__ int first_key_tile() {
-  int z;
-  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
-  return 4 * z;
-}
 
 __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (query r, key k), k even
   return uint32_t((r >> 3) * 1024 + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
 }
 
-template <int HD, bool kKeyBlocks>
+// kKeyTiles 0: one CTA per (head, image), T <= 256. Else key blocks: this CTA's key tiles, 4 or
+// (the last block) fewer, fixed at compile time (a count worked out at run time made ptxas
+// serialize the wgmmas, C7512), and whether it holds the last key tile; blockIdx.z + first_block
+// is the block.
+template <int HD, int kKeyTiles, bool kLastKeys>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap do_map,
                                        const __grid_constant__ CUtensorMap dqkv_map, const __grid_constant__ CUtensorMap qkv_tail,
                                        const __grid_constant__ CUtensorMap do_tail, const __grid_constant__ CUtensorMap dqkv_tail,
                                        const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap out_tail,
                                        const float* __restrict__ lse, const float* __restrict__ delta,
-                                       float* __restrict__ dq_planes, int T, int H, float scale) {
+                                       float* __restrict__ dq_planes, int first_block, int T, int H, float scale) {
+  constexpr bool kKeyBlocks = kKeyTiles > 0;
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned long long* const tr = kKeyBlocks ? nullptr : trace_row();  // (the stamps' slots count 4 tiles)
   constexpr int kTile = q_bytes(HD);
   const int n = tiles(T);
   // Key blocks (past 256 tokens): this CTA's key tiles kt0 .. kt0 + nk - 1, every query tile
   // through nb = 4 buffers, a pass of 4 at a time. Else nk = nb = n and kt0 = 0.
-  const int kb = kKeyBlocks ? int(blockIdx.z) : 0, kt0 = kKeyBlocks ? 4 * kb : 0;
-  const int nk = kKeyBlocks ? min(4, n - kt0) : n, nb = kKeyBlocks ? 4 : n;
+  const int kb = kKeyBlocks ? first_block + int(blockIdx.z) : 0, kt0 = 4 * kb;
+  const int nk = kKeyBlocks ? kKeyTiles : n, nb = kKeyBlocks ? 4 : n;
   const uint32_t s_q = smem_addr(smem), s_do = s_q + nb * kTile, s_k = s_do + nb * kTile, s_v = s_k + nb * kTile;
   const uint32_t s_slot = s_v + nb * kTile, s_stats = s_slot + nb * kSlotBytes, s_bar = s_stats + nb * 512;
   const uint32_t s_kvbar = s_bar + 8 * nb;  // key blocks: K_c and V_c's own mbarriers (s_bar + 8 s: buffer s)
@@ -274,10 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // k16 steps that cover the last tile's rows (as keys of dQ, as queries of dK and dV): the rest
   // contribute nothing (P and dS are 0 on padding keys, dO and Q on padding queries).
   const int last_k16 = (T - (n - 1) * kQTile + 15) / 16;
-  // nk, and whether this CTA holds the last key tile, worked out where used (first_key_tile: a
-  // value held through the loops made ptxas serialize the wgmmas)
-  const auto key_tiles_here = [&] { return kKeyBlocks ? min(4, n - first_key_tile()) : n; };
-  const auto holds_last_keys = [&] { return !kKeyBlocks || first_key_tile() + 4 >= n; };
+  constexpr bool holds_last_keys = !kKeyBlocks || kLastKeys;  // this CTA holds the last key tile
   // Query tile i's buffer and the parity of its mbarrier's phase.
   const auto buf = [&](int i) { return kKeyBlocks ? i % 4 : i; };
   const auto phase = [&](int i) { return kKeyBlocks ? (i / 4) & 1 : 0; };
@@ -293,9 +288,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // are finite wherever the gradients are, since delta carries them into dS): dQ multiplies them
   // by K's rows past T, zeros; dV and dK's rows for those keys are past T, never stored. Key
   // blocks load no O (delta comes computed): the whole slot.
-  if (holds_last_keys() && last_k16 <= 2) {
+  if (holds_last_keys && last_k16 <= 2) {
     for (int v = int(threadIdx.x) + (kKeyBlocks ? 0 : kTile / 16); v < kSlotBytes / 16; v += kThreads)
-      *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (key_tiles_here() - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(smem + (s_slot - s_q) + (nk - 1) * kSlotBytes + 16 * v) = make_uint4(0, 0, 0, 0);
     wgmma::fence_proxy_async();
   }
   __syncthreads();
@@ -404,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           sc[4 * j + 1] = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, -l_lo));
           sc[4 * j + 2] = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, -l_hi));
           sc[4 * j + 3] = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, -l_hi));
-          const int key = ((kKeyBlocks ? first_key_tile() : 0) + c) * kQTile + 8 * j + 2 * q;
+          const int key = (kt0 + c) * kQTile + 8 * j + 2 * q;
           if (key >= T) sc[4 * j] = sc[4 * j + 2] = 0.0f;
           if (key + 1 >= T) sc[4 * j + 1] = sc[4 * j + 3] = 0.0f;
         }
@@ -497,10 +492,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         else if (n == 3) few_rows(std::integral_constant<int, 3>{});
         else few_rows(std::integral_constant<int, 4>{});
       } else {
-        for (int c = 0; c + 1 < key_tiles_here(); ++c) key_tile(c, std::integral_constant<int, 64>{});
-        if (!holds_last_keys() || last_k16 > 2) key_tile(key_tiles_here() - 1, std::integral_constant<int, 64>{});
-        else if (last_k16 == 2) key_tile(key_tiles_here() - 1, std::integral_constant<int, 32>{});
-        else key_tile(key_tiles_here() - 1, std::integral_constant<int, 16>{});
+        for (int c = 0; c + 1 < nk; ++c) key_tile(c, std::integral_constant<int, 64>{});
+        if (!holds_last_keys || last_k16 > 2) key_tile(nk - 1, std::integral_constant<int, 64>{});
+        else if (last_k16 == 2) key_tile(nk - 1, std::integral_constant<int, 32>{});
+        else key_tile(nk - 1, std::integral_constant<int, 16>{});
       }
       // dQ_i = dS_i K over the n slots (K-major dS as A, K MN-major as B).
       bar_sync(kRows, 128);  // every thread of WG 0 has stored (and fenced) its part of the slots
@@ -508,7 +503,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::fence();
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        if (c < key_tiles_here()) {
+        if (c < nk) {
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             wide_mma<HD, false>(dq, wgmma::descriptor(s_slot + c * kSlotBytes + 8192 + kk * 256, 128, 1024),
@@ -518,14 +513,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::commit();
       wgmma::wait<0>();
       if (threadIdx.x == 0) trace(tr, kBwdDqComplete + i);
-      if (i + 1 == n) bar_arrive(kDqDone, key_tiles_here() > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
+      if (i + 1 == n) bar_arrive(kDqDone, nk > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
       // Both key warpgroups done with query tile i (EMPTY_c: its slots, Q_i and dO_i are free), dQ
       // (times the scale) as bf16 staged in Q_i's tile and stored by TMA. (From the fragments each
       // warp's stores touch 8 rows' 16-byte pieces: ~0.6 us a tile.) By now the key warpgroups are
       // mostly done: their products of the last slot take less than the dQ MMAs above.
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        if (c < key_tiles_here()) bar_sync(kEmpty + c, 256);
+        if (c < nk) bar_sync(kEmpty + c, 256);
       if constexpr (kKeyBlocks) {
         // This key block's part of dQ_i (times the scale), fp32 into its own plane of dq_planes
         // ([key block][B, T, H, hd]); a pass after the kernel sums the planes in order.
@@ -541,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The pass's last query tile: once the key warpgroups are done with its buffers too, the
         // next pass's loads (from WG 0: the key warpgroups have no registers to spare).
         if (i % 4 == 3 && i + 1 < n) {
-          bar_sync(kPass, key_tiles_here() > 2 ? 384 : 256);
+          bar_sync(kPass, nk > 2 ? 384 : 256);
           if (threadIdx.x == 0 || threadIdx.x >= 128 - kLseLoaders) load_queries(i / 4 + 1, 0, 128 - kLseLoaders);
         }
       } else {
@@ -593,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int e = 0; e < HD / 2; ++e) dv[t][e] = dk[t][e] = 0.0f;
-    if (2 * j >= key_tiles_here()) {
+    if (2 * j >= nk) {
       trace_end(tr);
       return;
     }
@@ -607,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           const int c = 2 * j + t;
-          if (c < key_tiles_here()) {
+          if (c < nk) {
             bar_sync(kFull + c, 256);
             const uint32_t slot = s_slot + c * kSlotBytes;
             wgmma::fence();
@@ -630,8 +625,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (i + 1 < n)  // (after the last query tile: below, once dV is staged)
 #pragma unroll
         for (int t = 0; t < 2; ++t)
-          if (2 * j + t < key_tiles_here()) bar_arrive(kEmpty + 2 * j + t, 256);
-      if (kKeyBlocks && i % 4 == 3 && i + 1 < n) bar_arrive(kPass, key_tiles_here() > 2 ? 384 : 256);  // done with the pass's buffers
+          if (2 * j + t < nk) bar_arrive(kEmpty + 2 * j + t, 256);
+      if (kKeyBlocks && i % 4 == 3 && i + 1 < n) bar_arrive(kPass, nk > 2 ? 384 : 256);  // done with the pass's buffers
     }
     // dV, then dK (times the scale), as bf16 through this warpgroup's own V tiles (WG 0 read them
     // last for dP of the last query tile, before it filled that tile's slot) and K tiles (after
@@ -641,22 +636,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int part = 0; part < 2; ++part) {  // dV through the V tiles, then dK through the K tiles
       const uint32_t tiles = part == 0 ? s_v : s_k;
-      if (part == 1) bar_sync(kDqDone, key_tiles_here() > 2 ? 384 : 256);  // WG 0's last dQ has read the K tiles
+      if (part == 1) bar_sync(kDqDone, nk > 2 ? 384 : 256);  // WG 0's last dQ has read the K tiles
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const float mult = part == 0 ? 1.0f : scale;
-        if (2 * j + t < key_tiles_here())
+        if (2 * j + t < nk)
           stage_fragments<HD>(smem + (tiles - s_q) + (2 * j + t) * kTile, part == 0 ? dv[t] : dk[t], mult, mult, warp, g, q);
       }
       bar_sync(key_wg_bar, 128);
       if (part == 0)  // done with the last query tile's Q: WG 0 stages its dQ there
         for (int t = 0; t < 2; ++t)
-          if (2 * j + t < key_tiles_here()) bar_arrive(kEmpty + 2 * j + t, 256);
+          if (2 * j + t < nk) bar_arrive(kEmpty + 2 * j + t, 256);
       if (issuer) {
         trace(tr, kBwdStaged + 2 * part + j);
-        for (int c = 2 * j; c < min(2 * j + 2, key_tiles_here()); ++c)
+        for (int c = 2 * j; c < min(2 * j + 2, nk); ++c)
           store_wide<HD>(tiles + c * kTile, &dqkv_map, &dqkv_tail, ((part == 0 ? 2 : 1) * H + h) * HD,
-                         ((kKeyBlocks ? first_key_tile() : 0) + c) * kQTile, b);
+                         (kt0 + c) * kQTile, b);
         trace(tr, kBwdWritten + 2 * part + j);
       }
     }
@@ -970,7 +965,7 @@ __global__ void dq_planes_sum_kernel(const float2* __restrict__ planes, int coun
   }
 }
 
-// Key blocks at hd 64 only: at hd 80 that kernel spills (136 bytes; BENCHMARKS.md 33).
+// Key blocks at hd 64 only: at hd 80 those of 3 and 4 tiles spill (108-116 bytes; BENCHMARKS.md 33).
 bool key_blocks_apply(int T, int hd) { return hd == 64 && T > 4 * kQTile && T <= kKeyBlockMaxT; }
 }  // namespace
 
@@ -997,26 +992,40 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
                                                   std::to_string(hd) + " is not its shape (hd 64 up to 1024 tokens, 80 up to 256; sm_90a)");
   const bool blocks = T > 4 * kQTile;
   ENSURE(!blocks || (delta && dq_planes), "attention_backward_resident: past 256 tokens it takes delta and the dQ planes");
-  const auto launch = [&](auto hd_c, auto blocks_c) {
-    constexpr int HD = decltype(hd_c)::value;
-    constexpr bool kBlocks = decltype(blocks_c)::value;
+  // kTiles key tiles a CTA (0: T <= 256), blocks first .. first + count - 1.
+  const auto launch = [&](auto hd_c, auto tiles_c, auto last_c, int first, int count) {
+    constexpr int HD = decltype(hd_c)::value, kTiles = decltype(tiles_c)::value;
+    constexpr bool kLast = decltype(last_c)::value;
+    constexpr auto kernel = &attention_backward_resident_kernel<HD, kTiles, kLast>;
     // The attribute is set once, for the largest; smaller launch under it.
-    prepare_kernel<&attention_backward_resident_kernel<HD, kBlocks>>(dev, key_block_smem_bytes(HD));
+    prepare_kernel<kernel>(dev, key_block_smem_bytes(HD));
     const auto qkv_maps = wide_maps(qkv, B, T, 3 * H * HD, HD, kQTile);
     const auto do_maps = wide_maps(dout, B, T, H * HD, HD, kQTile), out_maps = wide_maps(out, B, T, H * HD, HD, kQTile);
     const auto dqkv_maps = wide_maps(dqkv, B, T, 3 * H * HD, HD, kQTile);
-    attention_backward_resident_kernel<HD, kBlocks>
-        <<<dim3(H, B, kBlocks ? key_blocks(T) : 1), kThreads, kBlocks ? key_block_smem_bytes(HD) : smem_bytes(tiles(T), HD),
-           stream>>>(qkv_maps.first, do_maps.first, dqkv_maps.first, qkv_maps.second, do_maps.second, dqkv_maps.second,
-                     out_maps.first, out_maps.second, lse, delta, dq_planes, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
+    kernel<<<dim3(H, B, count), kThreads, kTiles ? key_block_smem_bytes(HD) : smem_bytes(tiles(T), HD), stream>>>(
+        qkv_maps.first, do_maps.first, dqkv_maps.first, qkv_maps.second, do_maps.second, dqkv_maps.second, out_maps.first,
+        out_maps.second, lse, delta, dq_planes, first, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
     LAUNCH_CHECK();
   };
+  using Zero = std::integral_constant<int, 0>;
+  using Four = std::integral_constant<int, 4>;
   if (!blocks) {
-    if (hd == 64) launch(std::integral_constant<int, 64>{}, std::false_type{});
-    else launch(std::integral_constant<int, 80>{}, std::false_type{});
+    if (hd == 64) launch(std::integral_constant<int, 64>{}, Zero{}, std::true_type{}, 0, 1);
+    else launch(std::integral_constant<int, 80>{}, Zero{}, std::true_type{}, 0, 1);
     return;
   }
-  launch(std::integral_constant<int, 64>{}, std::true_type{});  // key_blocks_apply: hd 64
+  // Key blocks: the whole ones, then the last with its 1-4 tiles.
+  const int count = key_blocks(T), last_tiles = tiles(T) - 4 * (count - 1);
+  const auto key_block_launches = [&](auto hd_c) {
+    if (count > 1) launch(hd_c, Four{}, std::false_type{}, 0, count - 1);
+    switch (last_tiles) {
+      case 1: launch(hd_c, std::integral_constant<int, 1>{}, std::true_type{}, count - 1, 1); break;
+      case 2: launch(hd_c, std::integral_constant<int, 2>{}, std::true_type{}, count - 1, 1); break;
+      case 3: launch(hd_c, std::integral_constant<int, 3>{}, std::true_type{}, count - 1, 1); break;
+      default: launch(hd_c, Four{}, std::true_type{}, count - 1, 1); break;
+    }
+  };
+  key_block_launches(std::integral_constant<int, 64>{});  // key_blocks_apply: hd 64
   const size_t plane_pairs = size_t(B) * T * H * hd / 2;
   dq_planes_sum_kernel<<<grid_stride_blocks(plane_pairs, 256), 256, 0, stream>>>(
       reinterpret_cast<const float2*>(dq_planes), key_blocks(T), plane_pairs, dqkv, H * hd / 2);
