@@ -1123,9 +1123,7 @@ AttentionBackward resolve_backward(AttentionBackward kind, int T, int hd, int de
   ENSURE(resident || kind != AttentionBackward::Resident,
          "attention_backward: the resident kernel takes hd 64 (T <= 1024) or 80 (T <= 256), on sm_90a");
   if (kind != AttentionBackward::Auto) return kind;
-  return single                                            ? AttentionBackward::SinglePass
-         : attention_resident_preferred(T, hd, dev) ? AttentionBackward::Resident
-                                                            : AttentionBackward::Streamed;
+  return single ? AttentionBackward::SinglePass : resident ? AttentionBackward::Resident : AttentionBackward::Streamed;
 }
 
 // The current device, where the streamed kernels support (T, hd) on it; else -1.

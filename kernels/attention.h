@@ -36,8 +36,8 @@ void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse,
 // 32, 64 or 80 (attention_single_pass_supported). Resident: the same on Hopper's warpgroup MMAs
 // with three specialised warpgroups, for T <= 256 and hd 64 or 80 on sm_90a, and at hd 64 up to
 // 1024 tokens in blocks of 256 keys a CTA (attention_resident_supported;
-// kernels/attention_resident.cu). Auto: the fastest that applies, SinglePass, then Resident (but
-// for 257-320 tokens, where the key blocks are not faster), then Streamed (BENCHMARKS.md 24, 33).
+// kernels/attention_resident.cu). Auto: the fastest that applies, SinglePass, then Resident, then
+// Streamed (BENCHMARKS.md 24, 33).
 enum class AttentionBackward { Auto, Streamed, SinglePass, Resident };
 bool attention_single_pass_supported(int T, int hd);
 bool attention_resident_supported(int T, int hd);

@@ -28,9 +28,11 @@
 // passes of 4 (WG 0 loads the next pass once every warpgroup is done with the last: the key
 // warpgroups have no registers to spare). delta comes computed (attention.cu's kernel), no O is
 // loaded, and dQ_i's part over this block's keys goes, fp32, to the block's own plane of a
-// workspace; dq_planes_sum_kernel adds the planes in order (deterministic). The last query tile
-// takes the key_tile path even where few_rows would apply (there few_rows faulted under
-// compute-sanitizer memcheck, BENCHMARKS.md 33).
+// workspace; dq_planes_sum_kernel adds the planes in order (deterministic). A CTA's key-tile count
+// is a template argument (the whole blocks in one launch, the last in another): worked out at run
+// time, it made ptxas serialize the wgmmas. The last query tile takes the key_tile path even where
+// few_rows would apply (few_rows faulted under compute-sanitizer memcheck while the count was a
+// run-time value; BENCHMARKS.md 33).
 // Shared-memory layouts:
 //   Operand tiles "wide" (wide_offset): columns 0-63 in the 128-byte swizzle (128-byte rows), then
 //     at hd 80 columns 64-79 in the 32-byte swizzle, at hd 128 columns 64-127 in the 128-byte one.
@@ -974,12 +976,6 @@ bool attention_resident_fits(int T, int hd, int dev) {
   const bool blocks = key_blocks_apply(T, hd);
   const int smem = blocks ? key_block_smem_bytes(hd) : smem_bytes(tiles(T), hd);
   return (hd == 64 || hd == 80) && T >= 1 && (T <= 4 * kQTile || blocks) && sm90a(info) && smem <= info.smem_optin;
-}
-
-bool attention_resident_preferred(int T, int hd, int dev) {
-  // Key blocks: faster than the streamed backward from 449 tokens (-12%; 577: -8.5%), not at 257
-  // (+1%: a second block of one tile), BENCHMARKS.md 33.
-  return attention_resident_fits(T, hd, dev) && (T <= 4 * kQTile || T > 5 * kQTile);
 }
 
 size_t attention_resident_dq_plane_floats(int B, int T, int H, int hd) {

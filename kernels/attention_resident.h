@@ -12,9 +12,6 @@
 
 // Whether (T, hd) runs on these kernels on device dev (sm_90a, enough shared memory).
 bool attention_resident_fits(int T, int hd, int dev);
-// Whether the backward is the faster there, as measured: up to 256 tokens, and in key blocks from
-// 321 (BENCHMARKS.md 33).
-bool attention_resident_preferred(int T, int hd, int dev);
 bool attention_forward_resident_fits(int T, int hd, int dev);
 // Whether it is the faster forward there, as measured (BENCHMARKS.md 27): from two 64-query tiles
 // on (65-256 tokens: 13-24% faster at 65, 128, 145, 197 and 236), not at one (at 50 tokens, hd
