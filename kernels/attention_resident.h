@@ -1,5 +1,6 @@
 // The attention forward and backward with their operands resident in shared memory, on wgmma
-// (sm_90a): one CTA per (image, head). Backward: T <= 256, hd 64 or 80. Forward: hd 64, 80 or 128,
+// (sm_90a): one CTA per (image, head). Backward: T <= 256, hd 64 or 80 (hd 64 up to 1024 tokens in
+// key blocks, below). Forward: hd 64, 80 or 128,
 // T as far as K and V fit in shared memory (832, 656, 384 tokens; kernels/attention_resident.cu).
 // Reached through attention_forward and attention_backward (kernels/attention.h,
 // AttentionForward::Resident, AttentionBackward::Resident), which validate the arguments; the same
