@@ -986,8 +986,11 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
                                  float* dq_planes, bf16* dqkv, int B, int T, int H, int hd, int dev, cudaStream_t stream) {
   ENSURE(attention_resident_fits(T, hd, dev), "attention_backward_resident: T " + std::to_string(T) + ", hd " +
                                                   std::to_string(hd) + " is not its shape (hd 64 up to 1024 tokens, 80 up to 256; sm_90a)");
-  const bool blocks = T > 4 * kQTile;
+  const bool blocks = key_blocks_apply(T, hd);
   ENSURE(!blocks || (delta && dq_planes), "attention_backward_resident: past 256 tokens it takes delta and the dQ planes");
+  // The maps once, for every launch below.
+  const auto qkv_maps = wide_maps(qkv, B, T, 3 * H * hd, hd, kQTile), dqkv_maps = wide_maps(dqkv, B, T, 3 * H * hd, hd, kQTile);
+  const auto do_maps = wide_maps(dout, B, T, H * hd, hd, kQTile), out_maps = wide_maps(out, B, T, H * hd, hd, kQTile);
   // kTiles key tiles a CTA (0: T <= 256), blocks first .. first + count - 1.
   const auto launch = [&](auto hd_c, auto tiles_c, auto last_c, int first, int count) {
     constexpr int HD = decltype(hd_c)::value, kTiles = decltype(tiles_c)::value;
@@ -995,9 +998,6 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     constexpr auto kernel = &attention_backward_resident_kernel<HD, kTiles, kLast>;
     // The attribute is set once, for the largest; smaller launch under it.
     prepare_kernel<kernel>(dev, key_block_smem_bytes(HD));
-    const auto qkv_maps = wide_maps(qkv, B, T, 3 * H * HD, HD, kQTile);
-    const auto do_maps = wide_maps(dout, B, T, H * HD, HD, kQTile), out_maps = wide_maps(out, B, T, H * HD, HD, kQTile);
-    const auto dqkv_maps = wide_maps(dqkv, B, T, 3 * H * HD, HD, kQTile);
     kernel<<<dim3(H, B, count), kThreads, kTiles ? key_block_smem_bytes(HD) : smem_bytes(tiles(T), HD), stream>>>(
         qkv_maps.first, do_maps.first, dqkv_maps.first, qkv_maps.second, do_maps.second, dqkv_maps.second, out_maps.first,
         out_maps.second, lse, delta, dq_planes, first, T, H, 1.0f / std::sqrt(static_cast<float>(HD)));
@@ -1010,18 +1010,16 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     else launch(std::integral_constant<int, 80>{}, Zero{}, std::true_type{}, 0, 1);
     return;
   }
-  // Key blocks: the whole ones, then the last with its 1-4 tiles.
+  // Key blocks (key_blocks_apply: hd 64): the whole ones, then the last with its 1-4 tiles.
+  using Hd = std::integral_constant<int, 64>;
   const int count = key_blocks(T), last_tiles = tiles(T) - 4 * (count - 1);
-  const auto key_block_launches = [&](auto hd_c) {
-    if (count > 1) launch(hd_c, Four{}, std::false_type{}, 0, count - 1);
-    switch (last_tiles) {
-      case 1: launch(hd_c, std::integral_constant<int, 1>{}, std::true_type{}, count - 1, 1); break;
-      case 2: launch(hd_c, std::integral_constant<int, 2>{}, std::true_type{}, count - 1, 1); break;
-      case 3: launch(hd_c, std::integral_constant<int, 3>{}, std::true_type{}, count - 1, 1); break;
-      default: launch(hd_c, Four{}, std::true_type{}, count - 1, 1); break;
-    }
-  };
-  key_block_launches(std::integral_constant<int, 64>{});  // key_blocks_apply: hd 64
+  if (count > 1) launch(Hd{}, Four{}, std::false_type{}, 0, count - 1);
+  switch (last_tiles) {
+    case 1: launch(Hd{}, std::integral_constant<int, 1>{}, std::true_type{}, count - 1, 1); break;
+    case 2: launch(Hd{}, std::integral_constant<int, 2>{}, std::true_type{}, count - 1, 1); break;
+    case 3: launch(Hd{}, std::integral_constant<int, 3>{}, std::true_type{}, count - 1, 1); break;
+    default: launch(Hd{}, Four{}, std::true_type{}, count - 1, 1); break;
+  }
   const size_t plane_pairs = size_t(B) * T * H * hd / 2;
   dq_planes_sum_kernel<<<grid_stride_blocks(plane_pairs, 256), 256, 0, stream>>>(
       reinterpret_cast<const float2*>(dq_planes), key_blocks(T), plane_pairs, dqkv, H * hd / 2);
