@@ -1121,7 +1121,7 @@ AttentionBackward resolve_backward(AttentionBackward kind, int T, int hd, int de
   ENSURE(single || kind != AttentionBackward::SinglePass,
          "attention_backward: the single-pass kernel takes T <= 96 and hd 16, 32, 64 or 80");
   ENSURE(resident || kind != AttentionBackward::Resident,
-         "attention_backward: the resident kernel takes hd 64 (T <= 1024) or 80 (T <= 256), on sm_90a");
+         "attention_backward: the resident kernel takes hd 64 or 80 (T <= 1024), on sm_90a");
   if (kind != AttentionBackward::Auto) return kind;
   return single ? AttentionBackward::SinglePass : resident ? AttentionBackward::Resident : AttentionBackward::Streamed;
 }

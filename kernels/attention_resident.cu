@@ -23,7 +23,7 @@
 // Hand-overs: the loads land on one mbarrier per tile (TMA bytes, lse by cp.async); slot c goes
 // from WG 0 to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta
 // (and slot t) through DELTA_t; the K tiles, after WG 0's last dQ, through DQ_DONE.
-// Key blocks (hd 64, 257 to 1024 tokens; kKeyBlocks): a CTA per (head, image, 4 key tiles) with the
+// Key blocks (hd 64 or 80, 257 to 1024 tokens; kKeyBlocks): a CTA per (head, image, 4 key tiles) with the
 // same warpgroups and layouts, its K and V loaded once, the query tiles through 4 buffers in
 // passes of 4 (WG 0 loads the next pass once every warpgroup is done with the last: the key
 // warpgroups have no registers to spare). delta comes computed (attention.cu's kernel), no O is
@@ -305,15 +305,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   // at each pass's end, below). A pass's Q and dO by TMA from thread `issuer`, its lse and delta
   // by cp.async from threads first .. first + 63.
   const auto load_queries = [&](int pass, int issuer, int first) {
+    // (head, image) read afresh: from h and b, ptxas hoists the lse and delta addresses out of WG 0's
+    // loop and holds them in registers, which spills at hd 80.
+    int hh, bb;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(hh));
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(bb));
     for (int i = 4 * pass; i < min(4 * pass + 4, n); ++i) {
       const uint32_t bar = s_bar + 8 * buf(i);
       if (int(threadIdx.x) == issuer) {
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
-        load_wide<HD>(s_q + buf(i) * kTile, kQTile, &qkv_map, &qkv_tail, h * HD, i * kQTile, b, bar);
-        load_wide<HD>(s_do + buf(i) * kTile, kQTile, &do_map, &do_tail, h * HD, i * kQTile, b, bar);
+        load_wide<HD>(s_q + buf(i) * kTile, kQTile, &qkv_map, &qkv_tail, hh * HD, i * kQTile, bb, bar);
+        load_wide<HD>(s_do + buf(i) * kTile, kQTile, &do_map, &do_tail, hh * HD, i * kQTile, bb, bar);
       } else {
         const int x = int(threadIdx.x) - first, r = i * kQTile + x;
-        const size_t bh = (size_t(b) * H + h) * T;
+        const size_t bh = (size_t(bb) * H + hh) * T;
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + buf(i) * 512 + x * 4),
                      "l"(__cvta_generic_to_global(lse + bh + (r < T ? r : 0))), "r"(r < T ? 4 : 0)
                      : "memory");
@@ -967,8 +972,7 @@ __global__ void dq_planes_sum_kernel(const float2* __restrict__ planes, int coun
   }
 }
 
-// Key blocks at hd 64 only: at hd 80 those of 3 and 4 tiles spill (108-116 bytes; BENCHMARKS.md 33).
-bool key_blocks_apply(int T, int hd) { return hd == 64 && T > 4 * kQTile && T <= kKeyBlockMaxT; }
+bool key_blocks_apply(int T, int hd) { return (hd == 64 || hd == 80) && T > 4 * kQTile && T <= kKeyBlockMaxT; }
 }  // namespace
 
 bool attention_resident_fits(int T, int hd, int dev) {
@@ -985,7 +989,7 @@ size_t attention_resident_dq_plane_floats(int B, int T, int H, int hd) {
 void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* dout, const float* lse, const float* delta,
                                  float* dq_planes, bf16* dqkv, int B, int T, int H, int hd, int dev, cudaStream_t stream) {
   ENSURE(attention_resident_fits(T, hd, dev), "attention_backward_resident: T " + std::to_string(T) + ", hd " +
-                                                  std::to_string(hd) + " is not its shape (hd 64 up to 1024 tokens, 80 up to 256; sm_90a)");
+                                                  std::to_string(hd) + " is not its shape (hd 64 or 80, up to 1024 tokens; sm_90a)");
   const bool blocks = key_blocks_apply(T, hd);
   ENSURE(!blocks || (delta && dq_planes), "attention_backward_resident: past 256 tokens it takes delta and the dQ planes");
   // The maps once, for every launch below.
@@ -1010,16 +1014,19 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     else launch(std::integral_constant<int, 80>{}, Zero{}, std::true_type{}, 0, 1);
     return;
   }
-  // Key blocks (key_blocks_apply: hd 64): the whole ones, then the last with its 1-4 tiles.
-  using Hd = std::integral_constant<int, 64>;
+  // Key blocks: the whole ones, then the last with its 1-4 tiles.
   const int count = key_blocks(T), last_tiles = tiles(T) - 4 * (count - 1);
-  if (count > 1) launch(Hd{}, Four{}, std::false_type{}, 0, count - 1);
-  switch (last_tiles) {
-    case 1: launch(Hd{}, std::integral_constant<int, 1>{}, std::true_type{}, count - 1, 1); break;
-    case 2: launch(Hd{}, std::integral_constant<int, 2>{}, std::true_type{}, count - 1, 1); break;
-    case 3: launch(Hd{}, std::integral_constant<int, 3>{}, std::true_type{}, count - 1, 1); break;
-    default: launch(Hd{}, Four{}, std::true_type{}, count - 1, 1); break;
-  }
+  const auto launch_blocks = [&](auto hd_c) {
+    if (count > 1) launch(hd_c, Four{}, std::false_type{}, 0, count - 1);
+    switch (last_tiles) {
+      case 1: launch(hd_c, std::integral_constant<int, 1>{}, std::true_type{}, count - 1, 1); break;
+      case 2: launch(hd_c, std::integral_constant<int, 2>{}, std::true_type{}, count - 1, 1); break;
+      case 3: launch(hd_c, std::integral_constant<int, 3>{}, std::true_type{}, count - 1, 1); break;
+      default: launch(hd_c, Four{}, std::true_type{}, count - 1, 1); break;
+    }
+  };
+  if (hd == 64) launch_blocks(std::integral_constant<int, 64>{});
+  else launch_blocks(std::integral_constant<int, 80>{});
   const size_t plane_pairs = size_t(B) * T * H * hd / 2;
   dq_planes_sum_kernel<<<grid_stride_blocks(plane_pairs, 256), 256, 0, stream>>>(
       reinterpret_cast<const float2*>(dq_planes), key_blocks(T), plane_pairs, dqkv, H * hd / 2);

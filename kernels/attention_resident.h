@@ -1,6 +1,6 @@
 // The attention forward and backward with their operands resident in shared memory, on wgmma
-// (sm_90a): one CTA per (image, head). Backward: T <= 256, hd 64 or 80 (hd 64 up to 1024 tokens in
-// key blocks, below). Forward: hd 64, 80 or 128,
+// (sm_90a): one CTA per (image, head). Backward: hd 64 or 80, T <= 256 (up to 1024 tokens in key
+// blocks, below). Forward: hd 64, 80 or 128,
 // T as far as K and V fit in shared memory (832, 656, 384 tokens; kernels/attention_resident.cu).
 // Reached through attention_forward and attention_backward (kernels/attention.h,
 // AttentionForward::Resident, AttentionBackward::Resident), which validate the arguments; the same
@@ -22,7 +22,7 @@ bool attention_forward_resident_preferred(int T, int hd, int dev);
 void attention_forward_resident(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse, int B, int T, int H, int hd,
                                 int dev, cudaStream_t stream);
 
-// Past 256 tokens at hd 64 the backward runs in key blocks (up to 1024 tokens): a CTA per (image,
+// Past 256 tokens the backward runs in key blocks (up to 1024 tokens): a CTA per (image,
 // head, 4 key tiles), every query tile streamed through it; delta (rowsum(dout * out), [B, H, T]) comes
 // computed, and each key block writes its part of dQ into its own fp32 plane of dq_planes
 // (attention_resident_dq_plane_floats), summed in order after it (deterministic). Up to 256

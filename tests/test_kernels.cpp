@@ -477,7 +477,7 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
     CHECK(single == (s.T <= 96 && (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 80)));
     if (single) kinds.push_back(AttentionBackward::SinglePass);
     const bool resident = attention_resident_supported(s.T, s.hd);
-    CHECK(resident == ((s.T <= 256 && s.hd == 80) || (s.T <= 1024 && s.hd == 64)));  // hd 64 past 256 in key blocks
+    CHECK(resident == (s.T <= 1024 && (s.hd == 64 || s.hd == 80)));  // past 256 in key blocks
     if (resident) kinds.push_back(AttentionBackward::Resident);
     for (const AttentionBackward kind : kinds) {
       CAPTURE(static_cast<int>(kind));
