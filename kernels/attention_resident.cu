@@ -305,11 +305,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // at each pass's end, below). A pass's Q and dO by TMA from thread `issuer`, its lse and delta
   // by cp.async from threads first .. first + 63.
   const auto load_queries = [&](int pass, int issuer, int first) {
-    // (head, image) read afresh: from h and b, ptxas hoists the lse and delta addresses out of WG 0's
-    // loop and holds them in registers, which spills at hd 80.
-    int hh, bb;
-    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(hh));
-    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(bb));
+    // At hd 80 (head, image) read afresh: from h and b, ptxas hoists the lse and delta addresses
+    // out of WG 0's loop into registers, and spills. (At hd 64 the re-read cost 3-5%: BENCHMARKS 34.)
+    int hh = h, bb = b;
+    if constexpr (HD == 80) {
+      asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(hh));
+      asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(bb));
+    }
     for (int i = 4 * pass; i < min(4 * pass + 4, n); ++i) {
       const uint32_t bar = s_bar + 8 * buf(i);
       if (int(threadIdx.x) == issuer) {
