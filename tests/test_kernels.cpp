@@ -438,7 +438,10 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
                   // (ViT-H/14's 257), eight or four buffers reused (ViT-L/16 at 384 px's 577); two
                   // warpgroups, four buffers (hd 128's 300) or two (641, 832)
                   Shape{2, 257, 2, 80}, Shape{1, 577, 2, 64}, Shape{1, 577, 1, 80}, Shape{1, 300, 1, 128},
-                  Shape{1, 641, 1, 80}, Shape{1, 832, 1, 64}}) {
+                  Shape{1, 641, 1, 80}, Shape{1, 832, 1, 64},
+                  // the resident backward's key blocks with a last block of one narrow tile (257
+                  // above: one key): 14 keys, and 8 keys after two whole blocks (three dQ planes)
+                  Shape{2, 270, 1, 80}, Shape{1, 520, 2, 64}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {
