@@ -24,9 +24,9 @@
 // from WG 0 to its owner through named barriers FULL_c and back through EMPTY_c; tile t's delta
 // (and slot t) through DELTA_t; the K tiles, after WG 0's last dQ, through DQ_DONE.
 // Key blocks (hd 64 or 80, 257 to 1024 tokens; kKeyBlocks): a CTA per (head, image, 4 key tiles) with the
-// same warpgroups and layouts, its K and V loaded once, the query tiles through 4 buffers in
-// passes of 4 (WG 0 loads the next pass once every warpgroup is done with the last: the key
-// warpgroups have no registers to spare). delta comes computed (attention.cu's kernel), no O is
+// same warpgroups and layouts, its K and V loaded once, the query tiles through 4 buffers (WG 0
+// loads tile i + 4 once every warpgroup is done with tile i: the key warpgroups have no registers
+// to spare). delta comes computed (attention.cu's kernel), no O is
 // loaded, and dQ_i's part over this block's keys goes, fp32, to the block's own plane of a
 // workspace; dq_planes_sum_kernel adds the planes in order (deterministic). A CTA's key-tile count
 // is a template argument (the whole blocks in one launch, the last in another): worked out at run
@@ -149,8 +149,6 @@ static_assert(kWg0Regs + 2 * kKeyRegs <= 3 * (65536 / kThreads / 8 * 8), "more r
 // kFull + c, kEmpty + c, kDelta + t, kKeys + j (key warpgroup j's own); 0 is __syncthreads. kDqDone
 // reuses DELTA_0, whose one use ends at query tile 0.
 enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10, kDqDone = kDelta, kKeys = 14 };
-// Key blocks (past 256 tokens) take no DELTA_t: the end of a pass of query tiles reuses DELTA_1.
-constexpr int kPass = kDelta + 1;
 
 // Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); then the 4 mbarriers.
 __host__ __device__ constexpr int smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512) + 8 * 4; }
@@ -262,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kTile = q_bytes(HD);
   const int n = tiles(T);
   // Key blocks (past 256 tokens): this CTA's key tiles kt0 .. kt0 + nk - 1, every query tile
-  // through nb = 4 buffers, a pass of 4 at a time. Else nk = nb = n and kt0 = 0.
+  // through nb = 4 buffers, tile i in buffer i % 4. Else nk = nb = n and kt0 = 0.
   const int kb = kKeyBlocks ? first_block + int(blockIdx.z) : 0, kt0 = 4 * kb;
   const int nk = kKeyBlocks ? kKeyTiles : n, nb = kKeyBlocks ? 4 : n;
   const uint32_t s_q = smem_addr(smem), s_do = s_q + nb * kTile, s_k = s_do + nb * kTile, s_v = s_k + nb * kTile;
@@ -301,10 +299,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // come by TMA, issued by its first thread; rows at or past T arrive as zeros (the tensor maps end
   // at T). lse by cp.async from its last 64 threads, 0 past T (P = 1 against zero Q and dO rows,
   // which adds nothing).
-  // Key blocks: this CTA's K and V tiles, then query tiles 0-3 (the passes after, issued by WG 0
-  // at each pass's end, below). A pass's Q and dO by TMA from thread `issuer`, its lse and delta
-  // by cp.async from threads first .. first + 63.
-  const auto load_queries = [&](int pass, int issuer, int first) {
+  // Key blocks: this CTA's K and V tiles, then query tiles 0-3 (tile i + 4 issued by WG 0 once
+  // every warpgroup is done with tile i, below). A query tile's Q and dO by TMA from thread
+  // `issuer`, its lse and delta by cp.async from threads first .. first + 63.
+  const auto load_query = [&](int i, int issuer, int first) {
     // At hd 80 (head, image) read afresh: from h and b, ptxas hoists the lse and delta addresses
     // out of WG 0's loop into registers, and spills. (At hd 64 the re-read cost 3-5%: BENCHMARKS 34.)
     int hh = h, bb = b;
@@ -312,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(hh));
       asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(bb));
     }
-    for (int i = 4 * pass; i < min(4 * pass + 4, n); ++i) {
+    {
       const uint32_t bar = s_bar + 8 * buf(i);
       if (int(threadIdx.x) == issuer) {
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
@@ -339,7 +337,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         load_wide<HD>(s_k + c * kTile, kQTile, &qkv_map, &qkv_tail, (H + h) * HD, (kt0 + c) * kQTile, b, bar);
         load_wide<HD>(s_v + c * kTile, kQTile, &qkv_map, &qkv_tail, (2 * H + h) * HD, (kt0 + c) * kQTile, b, bar);
       }
-    if (threadIdx.x == 128 || (threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256)) load_queries(0, 128, 256 - kLseLoaders);
+    if (threadIdx.x == 128 || (threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256))
+      for (int i = 0; i < min(4, n); ++i) load_query(i, 128, 256 - kLseLoaders);
   } else if (threadIdx.x == 128) {
     trace(tr, kBwdIssueBegins);
     for (int t = 0; t < n; ++t) {
@@ -530,6 +529,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
         if (c < nk) bar_sync(kEmpty + c, 256);
+      // Key blocks: Q_i, dO_i and their stats are read by now: query tile i + 4 into their buffer
+      // (from WG 0: the key warpgroups have no registers to spare), three tiles ahead of its use.
+      if (kKeyBlocks && i + 4 < n && (threadIdx.x == 0 || threadIdx.x >= 128 - kLseLoaders))
+        load_query(i + 4, 0, 128 - kLseLoaders);
       if constexpr (kKeyBlocks) {
         // This key block's part of dQ_i (times the scale), fp32 into its own plane of dq_planes
         // ([key block][B, T, H, hd]); a pass after the kernel sums the planes in order.
@@ -542,12 +545,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (r_lo + 8 < T)
 #pragma unroll
           for (int m = 0; m < HD / 8; ++m) hi[4 * m] = make_float2(dq[4 * m + 2] * scale, dq[4 * m + 3] * scale);
-        // The pass's last query tile: once the key warpgroups are done with its buffers too, the
-        // next pass's loads (from WG 0: the key warpgroups have no registers to spare).
-        if (i % 4 == 3 && i + 1 < n) {
-          bar_sync(kPass, nk > 2 ? 384 : 256);
-          if (threadIdx.x == 0 || threadIdx.x >= 128 - kLseLoaders) load_queries(i / 4 + 1, 0, 128 - kLseLoaders);
-        }
       } else {
         stage_fragments<HD>(smem + i * kTile, dq, scale, scale, warp, g, q);
         bar_sync(kRows, 128);
@@ -635,7 +632,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int t = 0; t < 2; ++t)
           if (2 * j + t < nk) bar_arrive(kEmpty + 2 * j + t, 256);
-      if (kKeyBlocks && i % 4 == 3 && i + 1 < n) bar_arrive(kPass, nk > 2 ? 384 : 256);  // done with the pass's buffers
     }
     // dV, then dK (times the scale), as bf16 through this warpgroup's own V tiles (WG 0 read them
     // last for dP of the last query tile, before it filled that tile's slot) and K tiles (after
