@@ -956,17 +956,24 @@ int key_blocks(int T) { return (tiles(T) + 3) / 4; }
 constexpr int key_block_smem_bytes(int hd) { return smem_bytes(4, hd) + 8 * 4; }
 
 // dqkv's Q columns = the sum of the key blocks' dQ planes ([planes][B * T, H * hd] fp32), in
-// plane order (deterministic), as bf16.
-__global__ void dq_planes_sum_kernel(const float2* __restrict__ planes, int count, size_t plane_pairs, bf16* __restrict__ dqkv,
-                                     int row_pairs) {
-  for (size_t p = blockIdx.x * size_t(blockDim.x) + threadIdx.x; p < plane_pairs; p += size_t(gridDim.x) * blockDim.x) {
-    float2 sum = planes[p];
-    for (int k = 1; k < count; ++k) {
-      const float2 v = planes[k * plane_pairs + p];
-      sum.x += v.x, sum.y += v.y;
-    }
-    const size_t row = p / row_pairs, pair = p % row_pairs;  // dqkv rows are 3 H hd wide: Q first
-    reinterpret_cast<__nv_bfloat162*>(dqkv)[row * 3 * row_pairs + pair] = __float22bfloat162_rn(sum);
+// plane order (deterministic), as bf16. Four columns a thread, every plane's load issued before
+// the first add (count <= kMaxPlanes).
+constexpr int kMaxPlanes = 4;  // key blocks up to kKeyBlockMaxT = 1024 tokens
+__global__ void dq_planes_sum_kernel(const float4* __restrict__ planes, int count, size_t plane_quads, bf16* __restrict__ dqkv,
+                                     int row_quads) {
+  for (size_t p = blockIdx.x * size_t(blockDim.x) + threadIdx.x; p < plane_quads; p += size_t(gridDim.x) * blockDim.x) {
+    float4 v[kMaxPlanes];
+#pragma unroll
+    for (int k = 0; k < kMaxPlanes; ++k)
+      if (k < count) v[k] = planes[k * plane_quads + p];
+    float4 sum = v[0];
+#pragma unroll
+    for (int k = 1; k < kMaxPlanes; ++k)
+      if (k < count) sum.x += v[k].x, sum.y += v[k].y, sum.z += v[k].z, sum.w += v[k].w;
+    const size_t row = p / row_quads, quad = p % row_quads;  // dqkv rows are 3 H hd wide: Q first
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(sum.x, sum.y), hi = __floats2bfloat162_rn(sum.z, sum.w);
+    reinterpret_cast<uint2*>(dqkv)[row * 3 * row_quads + quad] =
+        make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
   }
 }
 
@@ -1025,9 +1032,10 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
   };
   if (hd == 64) launch_blocks(std::integral_constant<int, 64>{});
   else launch_blocks(std::integral_constant<int, 80>{});
-  const size_t plane_pairs = size_t(B) * T * H * hd / 2;
-  dq_planes_sum_kernel<<<grid_stride_blocks(plane_pairs, 256), 256, 0, stream>>>(
-      reinterpret_cast<const float2*>(dq_planes), key_blocks(T), plane_pairs, dqkv, H * hd / 2);
+  static_assert((kKeyBlockMaxT + 4 * kQTile - 1) / (4 * kQTile) <= kMaxPlanes, "more planes than the sum takes");
+  const size_t plane_quads = size_t(B) * T * H * hd / 4;
+  dq_planes_sum_kernel<<<grid_stride_blocks(plane_quads, 256), 256, 0, stream>>>(
+      reinterpret_cast<const float4*>(dq_planes), key_blocks(T), plane_quads, dqkv, H * hd / 4);
   LAUNCH_CHECK();
 }
 
