@@ -1,6 +1,7 @@
 // The attention backward (and, further down, the forward) for short sequences on Hopper's
 // warpgroup MMAs (wgmma, sm_90a), every operand resident in shared memory: one CTA per (image,
-// head), T <= 256, hd 64 or 80 (the forward also hd 128, and longer T: see there). Backward: Q,
+// head), T <= 256, hd 64 or 80 (past 256 in key blocks, below; the forward also hd 128, and longer
+// T: see there). Backward: Q,
 // K, V and dO are loaded once (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed
 // once: the streamed kernels (attention.cu) read the other side 4 times over and compute both twice.
 // Three warpgroups:
@@ -310,23 +311,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(hh));
       asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(bb));
     }
-    {
-      const uint32_t bar = s_bar + 8 * buf(i);
-      if (int(threadIdx.x) == issuer) {
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
-        load_wide<HD>(s_q + buf(i) * kTile, kQTile, &qkv_map, &qkv_tail, hh * HD, i * kQTile, bb, bar);
-        load_wide<HD>(s_do + buf(i) * kTile, kQTile, &do_map, &do_tail, hh * HD, i * kQTile, bb, bar);
-      } else {
-        const int x = int(threadIdx.x) - first, r = i * kQTile + x;
-        const size_t bh = (size_t(bb) * H + hh) * T;
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + buf(i) * 512 + x * 4),
-                     "l"(__cvta_generic_to_global(lse + bh + (r < T ? r : 0))), "r"(r < T ? 4 : 0)
-                     : "memory");
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + buf(i) * 512 + 256 + x * 4),
-                     "l"(__cvta_generic_to_global(delta + bh + (r < T ? r : 0))), "r"(r < T ? 4 : 0)
-                     : "memory");
-        cp_async_arrive(bar);
-      }
+    const uint32_t bar = s_bar + 8 * buf(i);
+    if (int(threadIdx.x) == issuer) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
+      load_wide<HD>(s_q + buf(i) * kTile, kQTile, &qkv_map, &qkv_tail, hh * HD, i * kQTile, bb, bar);
+      load_wide<HD>(s_do + buf(i) * kTile, kQTile, &do_map, &do_tail, hh * HD, i * kQTile, bb, bar);
+    } else {
+      const int x = int(threadIdx.x) - first, r = i * kQTile + x;
+      const size_t bh = (size_t(bb) * H + hh) * T;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + buf(i) * 512 + x * 4),
+                   "l"(__cvta_generic_to_global(lse + bh + (r < T ? r : 0))), "r"(r < T ? 4 : 0)
+                   : "memory");
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s_stats + buf(i) * 512 + 256 + x * 4),
+                   "l"(__cvta_generic_to_global(delta + bh + (r < T ? r : 0))), "r"(r < T ? 4 : 0)
+                   : "memory");
+      cp_async_arrive(bar);
     }
   };
   if (kKeyBlocks) {
@@ -535,7 +534,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         load_query(i + 4, 0, 128 - kLseLoaders);
       if constexpr (kKeyBlocks) {
         // This key block's part of dQ_i (times the scale), fp32 into its own plane of dq_planes
-        // ([key block][B, T, H, hd]); a pass after the kernel sums the planes in order.
+        // ([key block][B, T, H, hd]); dq_planes_sum_kernel, after the launches, adds them in order.
         const int r_lo = i * kQTile + warp * 16 + g;
         float2* lo = reinterpret_cast<float2*>(dq_planes + ((size_t(kb) * gridDim.y * T + size_t(b) * T + r_lo) * H + h) * HD) + q;
         float2* hi = lo + 4 * H * HD;  // 8 rows on
