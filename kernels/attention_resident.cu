@@ -329,15 +329,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   if (kKeyBlocks) {
+    // K_0, V_0, then Q_0, dO_0 (all WG 0's first step needs), then the other key tiles, then
+    // query tiles 1-3.
+    const auto load_keys = [&](int c) {
+      const uint32_t bar = s_kvbar + 8 * c;
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
+      load_wide<HD>(s_k + c * kTile, kQTile, &qkv_map, &qkv_tail, (H + h) * HD, (kt0 + c) * kQTile, b, bar);
+      load_wide<HD>(s_v + c * kTile, kQTile, &qkv_map, &qkv_tail, (2 * H + h) * HD, (kt0 + c) * kQTile, b, bar);
+    };
+    if (threadIdx.x == 128) load_keys(0);
+    if (threadIdx.x == 128 || (threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256)) load_query(0, 128, 256 - kLseLoaders);
     if (threadIdx.x == 128)
-      for (int c = 0; c < nk; ++c) {
-        const uint32_t bar = s_kvbar + 8 * c;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
-        load_wide<HD>(s_k + c * kTile, kQTile, &qkv_map, &qkv_tail, (H + h) * HD, (kt0 + c) * kQTile, b, bar);
-        load_wide<HD>(s_v + c * kTile, kQTile, &qkv_map, &qkv_tail, (2 * H + h) * HD, (kt0 + c) * kQTile, b, bar);
-      }
+      for (int c = 1; c < nk; ++c) load_keys(c);
     if (threadIdx.x == 128 || (threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256))
-      for (int i = 0; i < min(4, n); ++i) load_query(i, 128, 256 - kLseLoaders);
+      for (int i = 1; i < min(4, n); ++i) load_query(i, 128, 256 - kLseLoaders);
   } else if (threadIdx.x == 128) {
     trace(tr, kBwdIssueBegins);
     for (int t = 0; t < n; ++t) {
