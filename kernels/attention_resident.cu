@@ -1,9 +1,9 @@
 // The attention backward (and, further down, the forward) for short sequences on Hopper's
 // warpgroup MMAs (wgmma, sm_90a), every operand resident in shared memory: one CTA per (image,
 // head), T <= 256, hd 64 or 80 (past 256 in key blocks, below; the forward also hd 128, and longer
-// T: see there). Backward: Q,
-// K, V and dO are loaded once (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed
-// once: the streamed kernels (attention.cu) read the other side 4 times over and compute both twice.
+// T: see there). Backward: Q, K, V and dO are loaded once (n = ceil(T/64) tiles of 64 rows each)
+// and S and dP are computed once: the streamed kernels (attention.cu) read the other side 4 times
+// over and compute both twice.
 // Three warpgroups:
 //   WG 0 (rows): per query tile i and key tile c: S = Q_i K_c^T, dP = dO_i V_c^T, P, and
 //     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots, staged in
@@ -11,7 +11,8 @@
 //   WG 1, WG 2 (keys): WG 1 + j owns key tiles 2j and 2j + 1 and accumulates dV_c += P^T dO_i and
 //     dK_c += dS^T Q_i from slot c (A = P^T, dS^T: the slot read MN-major). That is 160 fp32
 //     registers a thread, which they take from WG 0 (setmaxnreg). Before that WG 1 issues every
-//     load, so that WG 0 starts as soon as the first tile lands, and WG 2 computes
+//     load (key blocks: the first four query tiles'), so that WG 0 starts as soon as the first
+//     tile lands, and WG 2 computes
 //     delta = rowsum(dO * O) tile by tile (no separate kernel), O's tile t loaded with the others
 //     into slot t, which WG 0 fills only after DELTA_t. After the last query tile they stage dV in
 //     their V tiles and store it, then dK in their K tiles once WG 0's last dQ has read them.
@@ -306,6 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto load_query = [&](int i, int issuer, int first) {
     // At hd 80 (head, image) read afresh: from h and b, ptxas hoists the lse and delta addresses
     // out of WG 0's loop into registers, and spills. (At hd 64 the re-read cost 3-5%: BENCHMARKS 34.)
+    // The grid is (H, B, key blocks), as h and b above read it.
     int hh = h, bb = b;
     if constexpr (HD == 80) {
       asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(hh));
@@ -526,10 +528,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::wait<0>();
       if (threadIdx.x == 0) trace(tr, kBwdDqComplete + i);
       if (i + 1 == n) bar_arrive(kDqDone, nk > 2 ? 384 : 256);  // the K tiles are free: to the key warpgroups with tiles
-      // Both key warpgroups done with query tile i (EMPTY_c: its slots, Q_i and dO_i are free), dQ
-      // (times the scale) as bf16 staged in Q_i's tile and stored by TMA. (From the fragments each
-      // warp's stores touch 8 rows' 16-byte pieces: ~0.6 us a tile.) By now the key warpgroups are
-      // mostly done: their products of the last slot take less than the dQ MMAs above.
+      // Both key warpgroups done with query tile i (EMPTY_c: its slots, Q_i and dO_i are free; the
+      // key warpgroups arrive after their products' wgmma wait). Up to 256 tokens dQ (times the
+      // scale) is staged as bf16 in Q_i's tile and stored by TMA (from the fragments each warp's
+      // stores touch 8 rows' 16-byte pieces: ~0.6 us a tile); key blocks write it to their plane
+      // and load query tile i + 4 into Q_i's buffer. By now the key warpgroups are mostly done:
+      // their products of the last slot take less than the dQ MMAs above.
 #pragma unroll
       for (int c = 0; c < 4; ++c)
         if (c < nk) bar_sync(kEmpty + c, 256);

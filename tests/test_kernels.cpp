@@ -440,8 +440,9 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
                   Shape{2, 257, 2, 80}, Shape{1, 577, 2, 64}, Shape{1, 577, 1, 80}, Shape{1, 300, 1, 128},
                   Shape{1, 641, 1, 80}, Shape{1, 832, 1, 64},
                   // the resident backward's key blocks with a last block of one narrow tile (257
-                  // above: one key): 14 keys, and 8 keys after two whole blocks (three dQ planes)
-                  Shape{2, 270, 1, 80}, Shape{1, 520, 2, 64}}) {
+                  // above: one key): 14 keys, and 8 keys after two whole blocks (three dQ planes);
+                  // a last block of four tiles, the most key blocks (4) and query tiles (16)
+                  Shape{2, 270, 1, 80}, Shape{1, 520, 2, 64}, Shape{1, 1024, 1, 80}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {
