@@ -138,6 +138,13 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
   return final_path.string();
 }
 
+std::string newest_checkpoint_in(const std::string& dir) {
+  const std::vector<fs::path> all = checkpoints_in(dir);
+  return all.empty() ? "" : all.back().string();
+}
+
+bool is_checkpoint_dir(const std::string& path) { return is_checkpoint(path); }
+
 std::string latest_checkpoint(const std::string& dir) {
   if (is_checkpoint(dir)) return dir;
   if (!fs::is_directory(dir)) throw RuntimeError("--resume " + dir + ": no such directory");
@@ -154,11 +161,11 @@ CheckpointState load_checkpoint(const std::string& path, ViT& model, const Train
   const SafetensorsFile::Entry* shape = st.find("run.shape");
   if (!shape || shape->dtype != "I64" || shape->shape.size() != 1)
     throw RuntimeError(st.path() + " has no valid run.shape: not a checkpoint of this engine");
-  std::vector<int64_t> have(want.size());
-  std::memcpy(have.data(), st.data(*shape), have.size() * 8);
   if (shape->shape[0] != static_cast<int64_t>(want.size()))
     throw RuntimeError(st.path() + " records " + std::to_string(shape->shape[0]) + " run facts, this engine " +
                        std::to_string(want.size()) + ": a checkpoint of another version");
+  std::vector<int64_t> have(want.size());
+  std::memcpy(have.data(), st.data(*shape), have.size() * 8);
   for (size_t i = 0; i < kMustMatch; ++i)
     if (have[i] != want[i])
       throw UsageError("--resume " + path + ": the checkpoint is for " + kShapeNames[i] + " " + std::to_string(have[i]) +

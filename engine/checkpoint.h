@@ -31,6 +31,10 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
 
 // The newest complete checkpoint under dir (dir itself if it is one); throws if there is none.
 std::string latest_checkpoint(const std::string& dir);
+// The newest complete checkpoint directly under dir, or "" (none there, or no such directory).
+std::string newest_checkpoint_in(const std::string& dir);
+// Whether path is one complete checkpoint (a directory with model.safetensors and state.safetensors).
+bool is_checkpoint_dir(const std::string& path);
 
 // Loads weights, momentum and FP8 state into the model (and refreshes its bf16/FP8 copies).
 // Throws UsageError if the checkpoint belongs to another model shape or precision, RuntimeError

@@ -5,10 +5,14 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <functional>
 #include <map>
+#include <set>
 
 #include "engine/check.h"
+#include "engine/checkpoint.h"
 #include "engine/dataset.h"
 
 namespace {
@@ -97,7 +101,8 @@ std::string usage() {
          "  --log FILE             append JSON lines: step, loss, lr, images/s, TFLOP/s, evaluations, FP8 events,\n"
          "                         checkpoints (tools/plot_metrics.py draws them)\n"
          "checkpoints:\n"
-         "  --save DIR             write checkpoints under DIR (timm-loadable weights + optimizer and FP8 state)\n"
+         "  --save DIR             write checkpoints under DIR (timm-loadable weights + optimizer and FP8 state);\n"
+         "                         a DIR with checkpoints only with --resume from it\n"
          "  --save-every N         every N steps (default: only at the end); --keep K: the newest K (default 3)\n"
          "  --resume DIR           continue from DIR's newest checkpoint (the same run shape; the same losses)\n"
          "  --init-from FILE       start from a timm safetensors file (strict: every tensor, nothing else)\n"
@@ -109,6 +114,7 @@ std::string usage() {
 TrainOptions parse_args(const std::vector<std::string>& args) {
   TrainOptions o;
   bool steps_given = false;
+  std::set<std::string> given;  // the valued flags on the command line
   // The preset first, so that overrides apply whatever their position.
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--model") {
@@ -232,7 +238,10 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     if (!inline_value) {
       if (i + 1 >= args.size()) bad(flag + " needs a value");
       value = args[++i];
+      // "--log --timing": the value forgotten, not a file named --timing (--flag=VALUE takes any).
+      if (value.rfind("--", 0) == 0) bad(flag + " needs a value, got the option '" + value + "'");
     }
+    given.insert(flag);
     it->second(flag, value);
   }
   if (o.help) return o;
@@ -255,6 +264,8 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     struct stat st;
     if (::stat((o.data_dir + "/train").c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
       bad("--data packed:" + o.data_dir + ": no " + o.data_dir + "/train directory (pack_images SRC " + o.data_dir + "/train)");
+    if (o.eval_every > 0 && (::stat((o.data_dir + "/val").c_str(), &st) != 0 || !S_ISDIR(st.st_mode)))
+      bad("--eval-every needs a test split: no " + o.data_dir + "/val directory (pack_images SRC " + o.data_dir + "/val)");
   } else {
     if (m.img != 28 || m.channels != 1 || m.classes != 10)
       bad("--data fashion-mnist holds 28x28 grey images of 10 classes: give --img 28 --channels 1 --classes 10");
@@ -279,7 +290,34 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
         "share of the gradients): it takes neither --allreduce nccl, --reduce-dtype bf16, --nccl-window on nor "
         "--clip-grad");
   if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
+  if (given.count("--keep") && o.save_dir.empty()) bad("--keep needs --save DIR");
+  for (const char* f : {"--fp8-recipe", "--amax-history", "--fp8-margin"})
+    if (given.count(f) && o.precision != "fp8") bad(std::string(f) + " needs --precision fp8");
+  if (given.count("--amax-history") && o.fp8_recipe != "delayed") bad("--amax-history applies to --fp8-recipe delayed only");
   if (!o.resume.empty() && !o.init_from.empty()) bad("--resume and --init-from exclude each other (a checkpoint has its weights)");
+  if (!o.init_from.empty()) {
+    struct stat st;
+    if (::stat(o.init_from.c_str(), &st) != 0) bad("--init-from " + o.init_from + ": " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode)) bad("--init-from " + o.init_from + ": not a file (give the safetensors file, e.g. DIR/model.safetensors)");
+  }
+  // A new run saving where an earlier one saved would overwrite its checkpoints of the same steps
+  // and prune the rest: only the run that resumes from there may save there.
+  if (!o.save_dir.empty()) {
+    namespace fs = std::filesystem;
+    const std::string newest = newest_checkpoint_in(o.save_dir);
+    bool resumes_here = false;
+    if (!o.resume.empty()) {  // --resume DIR, or one checkpoint DIR/step-N
+      fs::path p(o.resume);
+      if (!p.has_filename()) p = p.parent_path();  // (a trailing '/')
+      if (is_checkpoint_dir(p.string())) p = p.has_parent_path() ? p.parent_path() : fs::path(".");
+      std::error_code ec;
+      resumes_here = fs::equivalent(p, o.save_dir, ec);
+    }
+    if (!newest.empty() && !resumes_here)
+      bad("--save " + o.save_dir + " holds an earlier run's checkpoints (the newest " + newest +
+          "), which this run would overwrite: continue that run with --resume " + o.save_dir +
+          ", or save into another directory");
+  }
   if (o.epochs == 0) set_total_steps(o, o.steps);
   return o;
 }

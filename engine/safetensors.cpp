@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "engine/check.h"
@@ -214,6 +215,8 @@ std::string shape_text(const std::vector<int64_t>& s) {
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw RuntimeError("cannot open " + path + ": " + std::strerror(errno));
+  std::error_code ec;  // (a directory opens, and its "size" is no size)
+  if (!std::filesystem::is_regular_file(path, ec)) throw RuntimeError("cannot read " + path + ": not a regular file");
   const std::streamoff size = in.tellg();
   in.seekg(0);
   bytes_.resize(static_cast<size_t>(size));

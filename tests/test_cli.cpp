@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -145,6 +146,48 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(t.save_dir == "ckpt");
   CHECK(t.save_every == 100);
   CHECK(t.keep == 5);
+}
+
+TEST_CASE("cli: a forgotten value, a flag with no effect, a directory given as a file, a --save that would overwrite") {
+  // A value forgotten: the next option is not taken as it (--flag=VALUE takes any text).
+  CHECK(usage_error({"--log", "--timing"}).find("--log needs a value, got the option '--timing'") != std::string::npos);
+  CHECK(usage_error({"--save", "--nesterov"}).find("--save needs a value, got the option '--nesterov'") != std::string::npos);
+  CHECK(parse({"--log=--odd-name"}).log_file == "--odd-name");
+  CHECK(parse({"--lr", "-0"}).lr == 0);  // one dash: a number, not an option
+  // Flags that would do nothing.
+  CHECK(usage_error({"--keep", "5"}).find("--keep needs --save DIR") != std::string::npos);
+  CHECK(usage_error({"--fp8-margin", "1"}).find("--fp8-margin needs --precision fp8") != std::string::npos);
+  CHECK(usage_error({"--fp8-recipe", "current"}).find("--fp8-recipe needs --precision fp8") != std::string::npos);
+  CHECK(usage_error({"--amax-history", "4"}).find("--amax-history needs --precision fp8") != std::string::npos);
+  CHECK(usage_error({"--precision", "fp8", "--fp8-recipe", "current", "--amax-history", "4"})
+            .find("--amax-history applies to --fp8-recipe delayed only") != std::string::npos);
+  CHECK(parse({"--precision", "fp8", "--amax-history", "4"}).amax_history == 4);
+  // --init-from: a file that is there.
+  char dir_template[] = "/tmp/vit_cli_XXXXXX";
+  REQUIRE(mkdtemp(dir_template) != nullptr);
+  const std::string dir = dir_template;
+  CHECK(usage_error({"--init-from", dir.c_str()}).find("not a file") != std::string::npos);
+  const std::string missing = dir + "/none.safetensors";
+  CHECK(usage_error({"--init-from", missing.c_str()}).find("No such file") != std::string::npos);
+  CHECK_THROWS_WITH_AS(SafetensorsFile{dir}, doctest::Contains("not a regular file"), RuntimeError);
+  // --save into a directory that holds checkpoints: only the run resuming from there.
+  const std::string ckpt = dir + "/ckpt", step = ckpt + "/step-00000005";
+  CHECK(parse({"--save", ckpt.c_str()}).save_dir == ckpt);  // not there yet
+  REQUIRE(std::system(("mkdir -p " + step + " && touch " + step + "/model.safetensors " + step + "/state.safetensors").c_str()) == 0);
+  CHECK(usage_error({"--save", ckpt.c_str()}).find("holds an earlier run's checkpoints (the newest " + step) !=
+        std::string::npos);
+  const std::string other = dir + "/other";
+  CHECK(usage_error({"--save", ckpt.c_str(), "--resume", other.c_str()}).find("holds an earlier run's") != std::string::npos);
+  CHECK(parse({"--save", ckpt.c_str(), "--resume", ckpt.c_str()}).resume == ckpt);
+  CHECK(parse({"--save", ckpt.c_str(), "--resume", step.c_str()}).resume == step);
+  CHECK(parse({"--save", (ckpt + "/").c_str(), "--resume", (step + "/").c_str()}).resume == step + "/");
+  // --eval-every on packed data needs DIR/val.
+  const std::string packed = dir + "/packed", data = "packed:" + packed;
+  REQUIRE(std::system(("mkdir -p " + packed + "/train").c_str()) == 0);
+  CHECK(usage_error({"--data", data.c_str(), "--eval-every", "10"}).find("no " + packed + "/val directory") !=
+        std::string::npos);
+  CHECK(parse({"--data", data.c_str()}).data == "packed");
+  REQUIRE(std::system(("rm -rf " + dir).c_str()) == 0);
 }
 
 TEST_CASE("model: ViT-H/16 has timm's 632,199,400 parameters in 392 tensors") {
