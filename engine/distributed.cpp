@@ -74,7 +74,14 @@ ProcessGroup process_group_from_env(const std::function<const char*(const char*)
   ProcessGroup g;
   const bool torch_style = getenv("WORLD_SIZE") && *getenv("WORLD_SIZE");
   const bool slurm = !torch_style && getenv("SLURM_NTASKS") && *getenv("SLURM_NTASKS");
-  if (!torch_style && !slurm) return g;
+  if (!torch_style && !slurm) {
+    // A rank without a world: every process would train alone, all on the same GPU.
+    for (const char* name : {"RANK", "LOCAL_RANK"})
+      if (getenv(name) && *getenv(name))
+        throw UsageError(std::string(name) + " is set but WORLD_SIZE is not: a launcher sets RANK, LOCAL_RANK and "
+                         "WORLD_SIZE together (unset " + name + " to run as one process)");
+    return g;
+  }
   if (torch_style) {
     g.source = "launcher environment (RANK/WORLD_SIZE)";
     g.size = parse_env_int(getenv, "WORLD_SIZE", 1, 1 << 20, g.source);
@@ -82,6 +89,9 @@ ProcessGroup process_group_from_env(const std::function<const char*(const char*)
     g.local_rank = parse_env_int(getenv, "LOCAL_RANK", 0, 1 << 20, g.source);
   } else {
     g.source = "Slurm environment (SLURM_PROCID/SLURM_NTASKS)";
+    if (!getenv("SLURM_PROCID") || !*getenv("SLURM_PROCID"))  // (salloc's shell: an allocation, no task)
+      throw UsageError("SLURM_NTASKS is set but SLURM_PROCID is not: launch the tasks with srun (one a GPU, or one a "
+                       "node with --gpus N), or unset SLURM_NTASKS to run as one process");
     g.size = parse_env_int(getenv, "SLURM_NTASKS", 1, 1 << 20, g.source);
     g.rank = parse_env_int(getenv, "SLURM_PROCID", 0, g.size - 1, g.source);
     g.local_rank = parse_env_int(getenv, "SLURM_LOCALID", 0, 1 << 20, g.source);

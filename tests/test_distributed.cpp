@@ -108,6 +108,12 @@ TEST_CASE("distributed: the launcher's environment, torchrun's and Slurm's, and 
   CHECK(usage_error({{"WORLD_SIZE", "2"}, {"RANK", "1"}, {"LOCAL_RANK", "0"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "x"}})
             .find("MASTER_PORT='x'") != std::string::npos);
   CHECK(usage_error({{"WORLD_SIZE", "two"}}).find("WORLD_SIZE='two'") != std::string::npos);
+  // Half a launcher's environment: refused, not a lone run on every process.
+  CHECK(usage_error({{"RANK", "1"}}).find("RANK is set but WORLD_SIZE is not") != std::string::npos);
+  CHECK(usage_error({{"LOCAL_RANK", "0"}}).find("LOCAL_RANK is set but WORLD_SIZE is not") != std::string::npos);
+  // Inside an allocation (salloc) but not in an srun task.
+  CHECK(usage_error({{"SLURM_NTASKS", "8"}}).find("SLURM_NTASKS is set but SLURM_PROCID is not: launch the tasks with srun") !=
+        std::string::npos);
 }
 
 TEST_CASE("distributed: rendezvous over loopback hands every process the id; failures reach every process") {
