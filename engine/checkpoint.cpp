@@ -9,6 +9,9 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
 #include <vector>
 
 #include "engine/check.h"
@@ -112,7 +115,7 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
     write_safetensors((tmp / "state.safetensors").string(), st);
     std::string text = "step " + std::to_string(state.step) + "\nmodel " + model.config().describe() + "\nprecision " +
                        opts.precision + "\nbatch " + std::to_string(opts.batch) + " per rank, " + std::to_string(world) +
-                       " rank(s)\nseed " + std::to_string(opts.seed) + "\n";
+                       " rank(s)\n" + run_schedule_text(opts);
     write_text_file((tmp / "run.txt").string(), text);
     fsync_path(tmp.string(), true);
     // The same step saved again: the old one is set aside until the new one is in place.
@@ -136,6 +139,32 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
             all.end());
   for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i], ec);
   return final_path.string();
+}
+
+std::string run_schedule_text(const TrainOptions& o) {
+  char lr[32];
+  std::snprintf(lr, sizeof lr, "%.9g", o.lr);
+  return "seed " + std::to_string(o.seed) + "\ndata " + o.data + (o.data_dir.empty() ? "" : ":" + o.data_dir) +
+         "\nschedule " + o.lr_schedule + ", lr " + lr + ", warmup-steps " + std::to_string(o.warmup_steps) + ", steps " +
+         std::to_string(o.steps) + "\n";
+}
+
+std::vector<std::string> resume_differences(const std::string& run_txt, const TrainOptions& opts) {
+  // Each line's first word and the line, in both texts.
+  const auto lines = [](const std::string& text) {
+    std::map<std::string, std::string> by_key;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) by_key[line.substr(0, line.find(' '))] = line;
+    return by_key;
+  };
+  const auto had = lines(run_txt), has = lines(run_schedule_text(opts));
+  std::vector<std::string> out;
+  for (const auto& [key, line] : has) {
+    const auto it = had.find(key);
+    if (it != had.end() && it->second != line) out.push_back(it->second + " -> " + line);
+  }
+  return out;
 }
 
 std::string newest_checkpoint_in(const std::string& dir) {
@@ -175,6 +204,15 @@ CheckpointState load_checkpoint(const std::string& path, ViT& model, const Train
       std::fprintf(stderr, "vit_train: note: the checkpoint ran with %s %lld, this run has %lld: the loss sequence "
                    "will differ from the uninterrupted run's\n", kShapeNames[i], static_cast<long long>(have[i]),
                    static_cast<long long>(want[i]));
+
+  std::ifstream run_txt(fs::path(path) / "run.txt");
+  if (run_txt) {
+    std::stringstream text;
+    text << run_txt.rdbuf();
+    for (const std::string& d : resume_differences(text.str(), opts))
+      std::fprintf(stderr, "vit_train: note: the checkpoint's run and this one differ, %s: the loss sequence will "
+                   "differ from the uninterrupted run's\n", d.c_str());
+  }
 
   const ParamLayout& layout = model.layout();
   std::vector<float> params(layout.total(), 0.0f), momentum(layout.total(), 0.0f);

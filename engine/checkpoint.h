@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <vector>
 
 #include "engine/cli.h"
 #include "model/vit.h"
@@ -36,7 +37,15 @@ std::string newest_checkpoint_in(const std::string& dir);
 // Whether path is one complete checkpoint (a directory with model.safetensors and state.safetensors).
 bool is_checkpoint_dir(const std::string& path);
 
+// The lines of a checkpoint's run.txt that say what sets the batches and the learning rates:
+// "seed N", "data KIND[:DIR]", "schedule ..." (from the options).
+std::string run_schedule_text(const TrainOptions& opts);
+// Where this run's seed, data or schedule differ from those in run.txt's text (an earlier
+// version's run.txt may lack some: not compared), as "<the checkpoint's line> -> <this run's>".
+std::vector<std::string> resume_differences(const std::string& run_txt, const TrainOptions& opts);
+
 // Loads weights, momentum and FP8 state into the model (and refreshes its bf16/FP8 copies).
+// A changed seed, data or schedule (run.txt) is allowed, with a note on stderr.
 // Throws UsageError if the checkpoint belongs to another model shape or precision, RuntimeError
 // if it is missing, truncated or corrupted.
 CheckpointState load_checkpoint(const std::string& path, ViT& model, const TrainOptions& opts, int world,

@@ -168,6 +168,35 @@ const std::string kSmall = "./vit_train --img 32 --patch 8 --channels 3 --classe
                            "--log-every 1 --no-gemm-autotune";
 }  // namespace
 
+TEST_CASE("checkpoint: a resumed run's changed seed, data or schedule is found in run.txt") {
+  TrainOptions o;
+  o.seed = 7;
+  o.data = "packed";
+  o.data_dir = "/data/p";
+  o.lr = 0.1;
+  o.lr_schedule = "cosine";
+  o.warmup_steps = 100;
+  o.steps = 5000;
+  const std::string text = run_schedule_text(o);
+  CHECK(text == "seed 7\ndata packed:/data/p\nschedule cosine, lr 0.1, warmup-steps 100, steps 5000\n");
+  const std::string run_txt = "step 1000\nmodel vit_h16 ...\nprecision bf16\nbatch 64 per rank, 1 rank(s)\n" + text;
+  CHECK(resume_differences(run_txt, o).empty());
+  TrainOptions other = o;
+  other.seed = 8;
+  other.steps = 6000;
+  const std::vector<std::string> d = resume_differences(run_txt, other);
+  REQUIRE(d.size() == 2);
+  CHECK(d[0] == "schedule cosine, lr 0.1, warmup-steps 100, steps 5000 -> schedule cosine, lr 0.1, warmup-steps 100, steps 6000");
+  CHECK(d[1] == "seed 7 -> seed 8");
+  // An earlier version's run.txt (the seed only): only the seed compared.
+  other = o;
+  other.data = "synthetic";
+  other.data_dir.clear();
+  CHECK(resume_differences("step 10\nseed 7\n", other).empty());
+  other.seed = 9;
+  CHECK(resume_differences("step 10\nseed 7\n", other) == std::vector<std::string>{"seed 7 -> seed 9"});
+}
+
 TEST_CASE("resumed_losses_mismatch: the resumed run's progress lines against the whole run's last ones") {
   auto lines = [](int from, int to, int steps, double bump_at) {
     std::string out;
@@ -220,6 +249,11 @@ TEST_CASE("gpu: the newest K checkpoints are kept; bad checkpoints and timm file
   Run other = shell(kSmall + " --dim 128 --resume " + d.string());
   CHECK(other.code == 2);
   CHECK(other.out.find("the checkpoint is for dim 64, this run has 128") != std::string::npos);
+  // Another seed: allowed, with a note naming it.
+  Run reseeded = shell(kSmall + " --steps 12 --seed 5 --resume " + d.string());
+  CAPTURE(reseeded.out);
+  CHECK(reseeded.code == 0);
+  CHECK(reseeded.out.find("differ, seed 0 -> seed 5") != std::string::npos);
   // Nothing left to run.
   Run done = shell(kSmall + " --steps 10 --resume " + d.string());
   CHECK(done.code == 2);
