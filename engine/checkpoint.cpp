@@ -19,6 +19,11 @@
 
 namespace fs = std::filesystem;
 
+bool is_checkpoint_dir(const std::string& path) {
+  const fs::path p(path);
+  return fs::is_directory(p) && fs::exists(p / "model.safetensors") && fs::exists(p / "state.safetensors");
+}
+
 namespace {
 constexpr const char* kPrefix = "step-";
 
@@ -59,15 +64,12 @@ long long step_of(const fs::path& p) {
   return std::stoll(n.substr(std::strlen(kPrefix)));
 }
 
-bool is_checkpoint(const fs::path& p) {
-  return fs::is_directory(p) && fs::exists(p / "model.safetensors") && fs::exists(p / "state.safetensors");
-}
 
 std::vector<fs::path> checkpoints_in(const std::string& dir) {
   std::vector<fs::path> out;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec))
-    if (step_of(e.path()) >= 0 && is_checkpoint(e.path())) out.push_back(e.path());
+    if (step_of(e.path()) >= 0 && is_checkpoint_dir(e.path().string())) out.push_back(e.path());
   std::sort(out.begin(), out.end(), [](const fs::path& a, const fs::path& b) { return step_of(a) < step_of(b); });
   return out;
 }
@@ -172,14 +174,12 @@ std::string newest_checkpoint_in(const std::string& dir) {
   return all.empty() ? "" : all.back().string();
 }
 
-bool is_checkpoint_dir(const std::string& path) { return is_checkpoint(path); }
-
 std::string latest_checkpoint(const std::string& dir) {
-  if (is_checkpoint(dir)) return dir;
+  if (is_checkpoint_dir(dir)) return dir;
   if (!fs::is_directory(dir)) throw RuntimeError("--resume " + dir + ": no such directory");
-  const std::vector<fs::path> all = checkpoints_in(dir);
-  if (all.empty()) throw RuntimeError("--resume " + dir + ": no checkpoint (" + kPrefix + "* with model.safetensors and state.safetensors) in it");
-  return all.back().string();
+  const std::string newest = newest_checkpoint_in(dir);
+  if (newest.empty()) throw RuntimeError("--resume " + dir + ": no checkpoint (" + kPrefix + "* with model.safetensors and state.safetensors) in it");
+  return newest;
 }
 
 CheckpointState load_checkpoint(const std::string& path, ViT& model, const TrainOptions& opts, int world,

@@ -65,7 +65,7 @@ std::string usage() {
              "  --attention A          the attention kernels: auto (default: the fastest that apply), single-pass\n"
              "                         (backward; T <= 96, head dim 16/32/64/80), resident (Hopper wgmma; forward:\n"
              "                         head dim 64/80/128 up to 832/656/384 tokens, backward: head dim 64/80 up to\n"
-             "                         256, 64 up to 1024) or streamed (forward and backward, any shape)\n"
+             "                         1024) or streamed (forward and backward, any shape)\n"
              "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
              "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
              "  --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)\n"
@@ -113,7 +113,6 @@ std::string usage() {
 
 TrainOptions parse_args(const std::vector<std::string>& args) {
   TrainOptions o;
-  bool steps_given = false;
   std::set<std::string> given;  // the valued flags on the command line
   // The preset first, so that overrides apply whatever their position.
   for (size_t i = 0; i < args.size(); ++i) {
@@ -168,7 +167,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--amax-history", [&](const std::string& f, const std::string& v) { o.amax_history = parse_int(f, v, 1, 1024); }},
       {"--fp8-margin", [&](const std::string& f, const std::string& v) { o.fp8_margin = parse_int(f, v, 0, 16); }},
       {"--batch", [&](const std::string& f, const std::string& v) { o.batch = parse_int(f, v, 1, kBig); }},
-      {"--steps", [&](const std::string& f, const std::string& v) { o.steps = parse_int(f, v, 1, 1 << 30); steps_given = true; }},
+      {"--steps", [&](const std::string& f, const std::string& v) { o.steps = parse_int(f, v, 1, 1 << 30); }},
       {"--epochs", [&](const std::string& f, const std::string& v) { o.epochs = parse_int(f, v, 1, 100000); }},
       {"--warmup", [&](const std::string& f, const std::string& v) { o.warmup = parse_int(f, v, 0, 1 << 30); }},
       {"--data", [&](const std::string& f, const std::string& v) {
@@ -275,7 +274,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       bad("--data fashion-mnist: " + o.data_dir + " is not a directory" +
           (o.data_dir == FashionMnist::kDefaultDir ? " (apt-get install dataset-fashion-mnist)" : ""));
   }
-  if (o.epochs > 0 && steps_given) bad("give --steps or --epochs, not both");
+  if (o.epochs > 0 && given.count("--steps")) bad("give --steps or --epochs, not both");
   if (o.fp8_stats && o.precision != "fp8") bad("--fp8-stats needs --precision fp8");
   if (!o.dump_reference.empty() &&
       (o.data != "synthetic" || o.lr_schedule != "constant" || o.warmup_steps > 0 || o.precision != "bf16"))

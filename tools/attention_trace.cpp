@@ -1,5 +1,5 @@
 // attention_trace: where the resident attention kernels' time goes, CTA by CTA (the forward, and
-// the backward where it applies: T <= 256). Linked against
+// the backward up to 256 tokens: its key blocks, past that, stamp nothing). Linked against
 // kernels/attention_resident.cu compiled with -DATTENTION_TRACE (make attention_trace), whose
 // kernels stamp clock64 at their phases (kernels/attention_trace.h); one stamped launch of each
 // after three unstamped. Prints, per phase, the time from the CTA's start (median, 10th and 90th
@@ -122,8 +122,8 @@ int main(int argc, char** argv) {
     }
     trace("forward (resident)", fwd, ctas, buf,
           [&] { attention_forward(qkv, out, lse, B, T, H, hd, 0, AttentionForward::Resident); });
-    if (!attention_resident_supported(T, hd)) {
-      std::printf("\nbackward: T %d, hd %d is not the resident backward's shape\n", T, hd);
+    if (!attention_resident_supported(T, hd) || T > 256) {
+      std::printf("\nbackward: T %d, hd %d is not traced (the resident backward's one-CTA shape: T <= 256)\n", T, hd);
       CUDA_CHECK(cudaFree(buf));
       return 0;
     }
