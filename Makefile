@@ -1,5 +1,5 @@
 # vit_train and its tests. `make` builds vit_train and the rate tools (gemm_rate, loader_rate,
-# attention_rate, attention_trace, tma_rate); `make test` builds and runs
+# attention_rate, attention_trace, tma_rate, memory_rate); `make test` builds and runs
 # vit_tests: the CPU tier everywhere, the GPU tier where a GPU is present. The kernels are
 # written for Hopper (sm_90a); ARCH can be overridden on the command line.
 CUDA    ?= /usr/local/cuda
@@ -23,7 +23,7 @@ LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
 .PHONY: all test bench profile clean test-deps
-all: vit_train gemm_rate loader_rate attention_rate attention_trace tma_rate
+all: vit_train gemm_rate loader_rate attention_rate attention_trace tma_rate memory_rate
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
@@ -57,6 +57,10 @@ $(TRACED_OBJ): kernels/attention_resident.cu
 
 # The TMA unit's rate at the resident attention kernels' tiles, by box geometry.
 tma_rate: $(BUILD)/tools/tma_rate.o $(BUILD)/engine/check.o
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
+# The memory-bound kernels' rates (LayerNorm, GELU, FP8 casts) at one ViT's FP8 shapes.
+memory_rate: $(LIB_OBJ) $(BUILD)/tools/memory_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 # cuBLASLt's rate at one ViT block's GEMM shapes, through the engine's GEMM entry point.

@@ -77,8 +77,11 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
 struct GeluSource {
   const bf16* h;
   int cols;
-  __device__ void load(int r, int c, float* x) const {
-    reinterpret_cast<const Bf16x8*>(h + static_cast<size_t>(r) * cols + c)->to_float(x);
+  using Raw = Bf16x8;
+  static constexpr int kTilesPerBlock = 8;
+  __device__ Raw fetch(int r, int c) const { return *reinterpret_cast<const Bf16x8*>(h + static_cast<size_t>(r) * cols + c); }
+  __device__ void convert(const Raw& raw, int, int, float* x) const {
+    raw.to_float(x);
 #pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = gelu(x[j]);
   }

@@ -9,13 +9,18 @@ struct Bf16Source {
   const bf16* in;
   int cols;
   size_t batch_stride = 0;  // elements from one tensor of a batched launch to the next
-  __device__ void load(int r, int c, float* x) const {
-    reinterpret_cast<const Bf16x8*>(in + blockIdx.z * batch_stride + static_cast<size_t>(r) * cols + c)->to_float(x);
+  using Raw = Bf16x8;
+  static constexpr int kTilesPerBlock = 8;
+  __device__ Raw fetch(int r, int c) const {
+    return *reinterpret_cast<const Bf16x8*>(in + blockIdx.z * batch_stride + static_cast<size_t>(r) * cols + c);
   }
+  __device__ void convert(const Raw& raw, int, int, float* x) const { raw.to_float(x); }
 };
 }  // namespace
 
-size_t fp8_cast_partial_floats(int rows, int cols) { return static_cast<size_t>(fp8tile::tile_rows(rows)) * cols; }
+size_t fp8_cast_partial_floats(int rows, int cols) {  // enough for gelu_backward_fp8's one tile a block too
+  return static_cast<size_t>(fp8tile::tile_rows(rows)) * cols;
+}
 
 void cast_to_fp8(const bf16* in, int rows, int cols, const Fp8Out& o, cudaStream_t stream, float* db,
                  float* partial) {
@@ -24,7 +29,7 @@ void cast_to_fp8(const bf16* in, int rows, int cols, const Fp8Out& o, cudaStream
          "cast_to_fp8: rows and cols must be multiples of 8, the tensors 16/8-byte aligned");
   fp8tile::launch_tile(Bf16Source{in, cols}, rows, cols, o, db ? partial : nullptr, stream);
   LAUNCH_CHECK();
-  if (db) sum_rows(partial, fp8tile::tile_rows(rows), cols, cols, db, stream);
+  if (db) sum_rows(partial, fp8tile::partial_rows(rows, Bf16Source::kTilesPerBlock), cols, cols, db, stream);
 }
 
 void cast_to_fp8_batched(const bf16* in, size_t in_stride, int rows, int cols, const Fp8Out& first,

@@ -9,8 +9,8 @@
 
 namespace {
 constexpr int kWarps = 8;
-constexpr int kRowsPerChunk = 32;  // rows summed into one partial row of the weight gradients
-constexpr int kParamThreads = 64;  // threads of a block of layernorm_params_kernel (256 columns)
+constexpr int kBackwardRowsPerWarp = 2;  // 16 rows a block: 3 waves of 2 blocks an SM at ViT-H's 12608
+constexpr int kBackwardRows = kWarps * kBackwardRowsPerWarp;  // rows a partial row of the weight gradients sums
 constexpr int kMaxChunks = 12;     // a lane holds up to 12 float4 of a row: D <= 1536 (more spills)
 
 // A warp owns a row; lane l holds its float4 columns l, l + 32, ... in registers (CHUNKS of
@@ -81,99 +81,131 @@ __global__ void __launch_bounds__(kWarps * 32, kFp8 ? 4 : 1)
 }
 
 // The FP8 recompute of a forward output from its saved statistics, for the tiled producer.
+// Its values computed at fetch (as soon as the row's statistics arrive): holding the raw rows
+// and statistics instead until conversion took 40 registers a thread for its four vectors and spilled.
 struct LayerNormSource {
   const float *x, *w, *b, *mean, *rstd;
   int stride;
-  __device__ void load(int r, int c, float* v) const {
+  struct Raw {
+    float v[8];
+  };
+  static constexpr int kTilesPerBlock = 1;
+  __device__ Raw fetch(int r, int c) const {
     const float4* xr = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * stride + c);
     const float4* g = reinterpret_cast<const float4*>(w + c);
     const float4* bb = reinterpret_cast<const float4*>(b + c);
     const float mu = mean[r], rs = rstd[r];
+    Raw out;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float4 xv = xr[h], gv = g[h], bv = bb[h];
-      v[4 * h + 0] = ln_value(xv.x, mu, rs, gv.x, bv.x);
-      v[4 * h + 1] = ln_value(xv.y, mu, rs, gv.y, bv.y);
-      v[4 * h + 2] = ln_value(xv.z, mu, rs, gv.z, bv.z);
-      v[4 * h + 3] = ln_value(xv.w, mu, rs, gv.w, bv.w);
+      out.v[4 * h + 0] = ln_value(xv.x, mu, rs, gv.x, bv.x);
+      out.v[4 * h + 1] = ln_value(xv.y, mu, rs, gv.y, bv.y);
+      out.v[4 * h + 2] = ln_value(xv.z, mu, rs, gv.z, bv.z);
+      out.v[4 * h + 3] = ln_value(xv.w, mu, rs, gv.w, bv.w);
     }
+    return out;
+  }
+  __device__ void convert(const Raw& raw, int, int, float* v) const {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = raw.v[j];
   }
 };
 
-__device__ __forceinline__ float4 load_bf16x4(const bf16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
+__device__ __forceinline__ float4 bf16x4_to_float4(uint2 u) {
   const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
   const float2 c = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
   return make_float4(a.x, a.y, c.x, c.y);
 }
 
-// dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w; g += dx.
-// A warp per row in two sweeps: the first sums, the second (re-reading x and dy from L1) writes
-// g. The weight and bias gradients are left to layernorm_params_kernel: accumulating them here
-// took 80 more registers a thread and halved the warps in flight (141 us against a 60 us floor
-// at ViT-H's shape).
+// dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w; g += dx; and
+// the weight and bias gradients' partial sums, all in one pass over x, dy and g.
+// A warp owns a row at a time (kBackwardRowsPerWarp of them): lane l holds its float4 columns of
+// x, dy and g in registers, all loaded before the row's sums need them (one round trip a row;
+// past D = 1280, g is read after the sums: its registers would spill at two blocks an SM).
+// The column sums dy * xhat and dy go into the warp's own slice of shared memory, each lane
+// owning its columns there (no atomics, no barrier), and the block adds its warps' slices into
+// one partial row at the end. Keeping those sums in registers instead took 80 more registers a
+// thread (141 us at ViT-H's shape), and a second kernel re-reading x and dy from memory for them
+// made the pass 131 us against this one's 100.
 template <int CHUNKS>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, 2)
     layernorm_backward_kernel(const bf16* __restrict__ dy, const float* __restrict__ x, int row_stride,
                               const float* __restrict__ w, const float* __restrict__ mean,
                               const float* __restrict__ rstd, float* __restrict__ g, bf16* __restrict__ g_bf16,
-                              int M, int D) {
-  const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32, D4 = D / 4;
-  if (row >= M) return;
-  const float mu = mean[row], rs = rstd[row];
-  const float4* xr = reinterpret_cast<const float4*>(x + static_cast<size_t>(row) * row_stride);
-  const bf16* dyr = dy + static_cast<size_t>(row) * D;
+                              float* __restrict__ partial, int M, int D) {
+  extern __shared__ float4 column_sums[];  // [kWarps][dw, db][D / 4]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D4 = D / 4;
+  float4* dw_sum = column_sums + warp * 2 * D4;
+  float4* db_sum = dw_sum + D4;
   const float4* w4 = reinterpret_cast<const float4*>(w);
-  float s1 = 0, s2 = 0;
+  const float4 zero = make_float4(0, 0, 0, 0);
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
     const int i = lane + 32 * j;
-    if (i >= D4) continue;
-    const float4 xv = xr[i], d = load_bf16x4(dyr + 4 * i), wv = w4[i];
-    const float a = d.x * wv.x, b = d.y * wv.y, c = d.z * wv.z, e = d.w * wv.w;
-    s1 += a + b + c + e;
-    s2 += a * (xv.x - mu) + b * (xv.y - mu) + c * (xv.z - mu) + e * (xv.w - mu);
+    if (i < D4) dw_sum[i] = db_sum[i] = zero;
   }
-  const float m1 = warp_sum(s1) / D, m2 = warp_sum(s2) * rs / D;
-  float4* gr = reinterpret_cast<float4*>(g + static_cast<size_t>(row) * row_stride);
-  uint2* gbr = reinterpret_cast<uint2*>(g_bf16 + static_cast<size_t>(row) * row_stride);
+  constexpr bool kGEarly = CHUNKS <= 10;
+  const int first = (blockIdx.x * kWarps + warp) * kBackwardRowsPerWarp;
+  for (int row = first; row < min(M, first + kBackwardRowsPerWarp); ++row) {
+    const float mu = mean[row], rs = rstd[row];
+    const float4* xr = reinterpret_cast<const float4*>(x + static_cast<size_t>(row) * row_stride);
+    const uint2* dyr = reinterpret_cast<const uint2*>(dy + static_cast<size_t>(row) * D);
+    float4* gr = reinterpret_cast<float4*>(g + static_cast<size_t>(row) * row_stride);
+    float4 xv[CHUNKS], gv[CHUNKS];
+    uint2 dyv[CHUNKS];
 #pragma unroll
-  for (int j = 0; j < CHUNKS; ++j) {
-    const int i = lane + 32 * j;
-    if (i >= D4) continue;
-    const float4 xv = xr[i], d = load_bf16x4(dyr + 4 * i), wv = w4[i];
-    float4 gv = gr[i];
-    gv.x += rs * (d.x * wv.x - m1 - (xv.x - mu) * rs * m2);
-    gv.y += rs * (d.y * wv.y - m1 - (xv.y - mu) * rs * m2);
-    gv.z += rs * (d.z * wv.z - m1 - (xv.z - mu) * rs * m2);
-    gv.w += rs * (d.w * wv.w - m1 - (xv.w - mu) * rs * m2);
-    gr[i] = gv;
-    __nv_bfloat162 lo = __floats2bfloat162_rn(gv.x, gv.y), hi = __floats2bfloat162_rn(gv.z, gv.w);
-    gbr[i] = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+    for (int j = 0; j < CHUNKS; ++j) {
+      const int i = lane + 32 * j;
+      xv[j] = i < D4 ? xr[i] : zero;
+      dyv[j] = i < D4 ? dyr[i] : make_uint2(0, 0);
+      if (kGEarly) gv[j] = i < D4 ? gr[i] : zero;
+    }
+    float s1 = 0, s2 = 0;
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      const int i = lane + 32 * j;
+      if (i >= D4) continue;
+      const float4 d = bf16x4_to_float4(dyv[j]), wv = w4[i];
+      const float a = d.x * wv.x, b = d.y * wv.y, c = d.z * wv.z, e = d.w * wv.w;
+      s1 += a + b + c + e;
+      s2 += a * (xv[j].x - mu) + b * (xv[j].y - mu) + c * (xv[j].z - mu) + e * (xv[j].w - mu);
+    }
+    const float m1 = warp_sum(s1) / D, m2 = warp_sum(s2) * rs / D;
+    uint2* gbr = reinterpret_cast<uint2*>(g_bf16 + static_cast<size_t>(row) * row_stride);
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      const int i = lane + 32 * j;
+      if (i >= D4) continue;
+      const float4 d = bf16x4_to_float4(dyv[j]), wv = w4[i];
+      const float4 xh = make_float4((xv[j].x - mu) * rs, (xv[j].y - mu) * rs, (xv[j].z - mu) * rs,
+                                    (xv[j].w - mu) * rs);
+      float4 gn = kGEarly ? gv[j] : gr[i];
+      gn.x += rs * (d.x * wv.x - m1 - xh.x * m2);
+      gn.y += rs * (d.y * wv.y - m1 - xh.y * m2);
+      gn.z += rs * (d.z * wv.z - m1 - xh.z * m2);
+      gn.w += rs * (d.w * wv.w - m1 - xh.w * m2);
+      gr[i] = gn;
+      __nv_bfloat162 lo = __floats2bfloat162_rn(gn.x, gn.y), hi = __floats2bfloat162_rn(gn.z, gn.w);
+      gbr[i] = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+      float4 sw = dw_sum[i], sb = db_sum[i];
+      sw.x += d.x * xh.x; sw.y += d.y * xh.y; sw.z += d.z * xh.z; sw.w += d.w * xh.w;
+      sb.x += d.x; sb.y += d.y; sb.z += d.z; sb.w += d.w;
+      dw_sum[i] = sw;
+      db_sum[i] = sb;
+    }
   }
-}
-
-// partial[chunk] = (sum of dy * xhat, sum of dy) over the chunk's kRowsPerChunk rows, per
-// column: a thread owns four columns, so each row's read is a coalesced 16-byte one per lane.
-__global__ void __launch_bounds__(kParamThreads)
-    layernorm_params_kernel(const bf16* __restrict__ dy, const float* __restrict__ x, int row_stride,
-                            const float* __restrict__ mean, const float* __restrict__ rstd,
-                            float* __restrict__ partial, int M, int D) {
-  const int i = blockIdx.x * kParamThreads + threadIdx.x, D4 = D / 4;
-  if (i >= D4) return;
-  const int r0 = blockIdx.y * kRowsPerChunk, r1 = min(M, r0 + kRowsPerChunk);
-  float4 dw = make_float4(0, 0, 0, 0), db = make_float4(0, 0, 0, 0);
-  for (int r = r0; r < r1; ++r) {
-    const float mu = mean[r], rs = rstd[r];
-    const float4 xv = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * row_stride)[i];
-    const float4 d = load_bf16x4(dy + static_cast<size_t>(r) * D + 4 * i);
-    dw.x += d.x * (xv.x - mu) * rs; dw.y += d.y * (xv.y - mu) * rs;
-    dw.z += d.z * (xv.z - mu) * rs; dw.w += d.w * (xv.w - mu) * rs;
-    db.x += d.x; db.y += d.y; db.z += d.z; db.w += d.w;
+  __syncthreads();
+  // partial[block] = (dw, db) summed over the block's warps, in warp order.
+  float4* out = reinterpret_cast<float4*>(partial + static_cast<size_t>(blockIdx.x) * 2 * D);
+  for (int i = threadIdx.x; i < 2 * D4; i += blockDim.x) {
+    float4 t = column_sums[i];
+    for (int k = 1; k < kWarps; ++k) {
+      const float4 v = column_sums[k * 2 * D4 + i];
+      t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+    }
+    out[i] = t;
   }
-  float4* out = reinterpret_cast<float4*>(partial + static_cast<size_t>(blockIdx.y) * 2 * D);
-  out[i] = dw;
-  out[D4 + i] = db;
 }
 
 // Calls f.template operator()<CHUNKS>() with CHUNKS = ceil(D / 128), a compile-time constant.
@@ -222,7 +254,7 @@ void layernorm_apply_fp8(const float* x, int x_row_stride, const float* w, const
   LAUNCH_CHECK();
 }
 
-size_t layernorm_partial_floats(int M, int D) { return static_cast<size_t>(grid_for(M, kRowsPerChunk)) * 2 * D; }
+size_t layernorm_partial_floats(int M, int D) { return static_cast<size_t>(grid_for(M, kBackwardRows)) * 2 * D; }
 
 void layernorm_backward(const bf16* dy, const float* x, int row_stride, const float* w, const float* mean,
                         const float* rstd, float* g, bf16* g_bf16, float* dw, float* db, float* partial, int M, int D,
@@ -231,16 +263,14 @@ void layernorm_backward(const bf16* dy, const float* x, int row_stride, const fl
   ENSURE(D % 8 == 0 && D <= 128 * kMaxChunks && row_stride % 4 == 0 && is_aligned16(x) && is_aligned16(g) &&
              is_aligned16(dy) && is_aligned16(g_bf16) && is_aligned16(w) && is_aligned16(partial),
          "layernorm_backward: D must be a multiple of 8 up to 1536, rows 16-byte aligned");
+  const unsigned blocks = grid_for(M, kBackwardRows);
+  const size_t smem = static_cast<size_t>(kWarps) * 2 * D * sizeof(float);
   dispatch_chunks(D, [&](auto chunks) {
-    layernorm_backward_kernel<decltype(chunks)::value>
-        <<<grid_for(M, kWarps), kWarps * 32, 0, stream>>>(dy, x, row_stride, w, mean, rstd, g, g_bf16, M, D);
+    auto kernel = layernorm_backward_kernel<decltype(chunks)::value>;  // set each call: it is per device
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    kernel<<<blocks, kWarps * 32, smem, stream>>>(dy, x, row_stride, w, mean, rstd, g, g_bf16, partial, M, D);
   });
   LAUNCH_CHECK();
-  const unsigned chunks = grid_for(M, kRowsPerChunk);
-  ENSURE(chunks <= 65535, "layernorm_backward: too many rows");
-  layernorm_params_kernel<<<dim3(grid_for(D / 4, kParamThreads), chunks), kParamThreads, 0, stream>>>(
-      dy, x, row_stride, mean, rstd, partial, M, D);
-  LAUNCH_CHECK();
-  sum_rows(partial, chunks, D, 2 * D, dw, stream);
-  sum_rows(partial + D, chunks, D, 2 * D, db, stream);
+  sum_rows(partial, blocks, D, 2 * D, dw, stream);
+  sum_rows(partial + D, blocks, D, 2 * D, db, stream);
 }

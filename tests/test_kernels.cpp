@@ -35,9 +35,14 @@ std::vector<double> slice(const std::vector<T>& v, size_t begin, size_t n) {
 TEST_CASE("gpu: layernorm forward and backward against the reference") {
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
-  for (int stride_mult : {1, 3}) {
-    const int M = 37, D = 264, stride = D * stride_mult;
-    CAPTURE(stride_mult);
+  // A partial float4 chunk (264), ViT-H's 1280 (g read early) and 1536 (g read late); row
+  // counts that leave the last block of 16 rows partial, over one and several blocks.
+  const struct { int M, D, stride_mult; } shapes[] = {{37, 264, 1}, {37, 264, 3}, {150, 1280, 1}, {21, 1536, 2}};
+  for (const auto& shape : shapes) {
+    const int M = shape.M, D = shape.D, stride = D * shape.stride_mult;
+    CAPTURE(M);
+    CAPTURE(D);
+    CAPTURE(stride);
     // Rows spaced by stride (the final LayerNorm reads class-token rows only); the rest unused.
     const auto x_all = round_f32(random_vec(rng, static_cast<size_t>(M) * stride, -3, 3));
     const auto w = round_f32(random_vec(rng, D, 0.5, 1.5)), b = round_f32(random_vec(rng, D));
