@@ -1,8 +1,8 @@
 // Device side of the FP8 producers (fp8.h): the quantiser with its statistics, and the 64 x 128
-// tile through which a producer writes both FP8 copies. A block of 256 threads owns a tile;
-// each thread computes 8 consecutive values of a row at a time (four such vectors, all loaded
-// before any is stored), the row-major copy leaves straight from registers in 8-byte words and
-// the transposed copy through shared memory, 8 bytes of a column per store.
+// tiles through which a producer writes both FP8 copies. A block of 256 threads converts a tile
+// at a time; each thread computes 8 consecutive values of a row at a time (four such vectors,
+// all loaded before any is stored), the row-major copy leaves straight from registers in 8-byte
+// words and the transposed copy through shared memory, 8 bytes of a column per store.
 #pragma once
 #include <cuda_fp8.h>
 

@@ -9,8 +9,11 @@
 
 namespace {
 constexpr int kWarps = 8;
-constexpr int kBackwardRowsPerWarp = 2;  // 16 rows a block: 3 waves of 2 blocks an SM at ViT-H's 12608
-constexpr int kBackwardRows = kWarps * kBackwardRowsPerWarp;  // rows a partial row of the weight gradients sums
+// Blocks of the row-walking kernels: one wave on a 132-SM H100 or H200 (three blocks an SM
+// forward, two backward). Fixed, not read from the card: the backward's weight-gradient sums go
+// through a partial row a block, so their order, and the result, must not depend on the card.
+constexpr int kForwardBlocks = 3 * 132;
+constexpr int kBackwardBlocks = 2 * 132;
 constexpr int kMaxChunks = 12;     // a lane holds up to 12 float4 of a row: D <= 1536 (more spills)
 
 // A warp owns a row; lane l holds its float4 columns l, l + 32, ... in registers (CHUNKS of
@@ -32,16 +35,19 @@ __device__ __forceinline__ float ln_value(float x, float mean, float rstd, float
 }
 
 // The output goes to bf16 y, or (kFp8) to FP8 E4M3 through o: the GEMM's row-major operand.
-// FP8: four blocks an SM (64 registers, no spill) keep more rows in flight.
+// A warp takes a row at a time, every (gridDim.x * kWarps)-th: one wave of blocks walks all the
+// rows (a block a row group before: three waves at ViT-H, 3% slower). FP8: three blocks an SM
+// (at four, the row loop spilled at D 1280).
 template <int CHUNKS, bool kFp8>
-__global__ void __launch_bounds__(kWarps * 32, kFp8 ? 4 : 1)
+__global__ void __launch_bounds__(kWarps * 32, kFp8 ? 3 : 1)
     layernorm_forward_kernel(const float* __restrict__ x, int x_row_stride, const float* __restrict__ w,
                              const float* __restrict__ b, bf16* __restrict__ y, Fp8Out o,
                              float* __restrict__ mean_out, float* __restrict__ rstd_out, int M, int D, float eps) {
   __shared__ fp8tile::BlockScratch scratch;
   fp8tile::Quantizer<__NV_E4M3> q(o);
-  const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32, D4 = D / 4;
-  if (row < M) {  // no early return: the FP8 amax is a block reduction
+  const int lane = threadIdx.x % 32, D4 = D / 4;
+  // No early return: the FP8 amax is a block reduction.
+  for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < M; row += gridDim.x * kWarps) {
     float4 v[CHUNKS];
     load_row(x + static_cast<size_t>(row) * x_row_stride, D4, v);
     float s = 0;
@@ -120,14 +126,14 @@ __device__ __forceinline__ float4 bf16x4_to_float4(uint2 u) {
 
 // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w; g += dx; and
 // the weight and bias gradients' partial sums, all in one pass over x, dy and g.
-// A warp owns a row at a time (kBackwardRowsPerWarp of them): lane l holds its float4 columns of
+// A warp owns a row at a time, every (gridDim.x * kWarps)-th: lane l holds its float4 columns of
 // x, dy and g in registers, all loaded before the row's sums need them (one round trip a row;
 // past D = 1280, g is read after the sums: its registers would spill at two blocks an SM).
 // The column sums dy * xhat and dy go into the warp's own slice of shared memory, each lane
 // owning its columns there (no atomics, no barrier), and the block adds its warps' slices into
 // one partial row at the end. Keeping those sums in registers instead took 80 more registers a
 // thread (141 us at ViT-H's shape), and a second kernel re-reading x and dy from memory for them
-// made the pass 131 us against this one's 100.
+// made the pass 131 us against this one's 88 (100 in blocks of 16 rows, three waves of them).
 template <int CHUNKS>
 __global__ void __launch_bounds__(kWarps * 32, 2)
     layernorm_backward_kernel(const bf16* __restrict__ dy, const float* __restrict__ x, int row_stride,
@@ -146,8 +152,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     if (i < D4) dw_sum[i] = db_sum[i] = zero;
   }
   constexpr bool kGEarly = CHUNKS <= 10;
-  const int first = (blockIdx.x * kWarps + warp) * kBackwardRowsPerWarp;
-  for (int row = first; row < min(M, first + kBackwardRowsPerWarp); ++row) {
+  for (int row = blockIdx.x * kWarps + warp; row < M; row += gridDim.x * kWarps) {
     const float mu = mean[row], rs = rstd[row];
     const float4* xr = reinterpret_cast<const float4*>(x + static_cast<size_t>(row) * row_stride);
     const uint2* dyr = reinterpret_cast<const uint2*>(dy + static_cast<size_t>(row) * D);
@@ -216,6 +221,8 @@ void dispatch_chunks(int D, F&& f) {
     return dispatch_chunks<F, C + 1>(D, std::forward<F>(f));
   }
 }
+
+unsigned forward_blocks(int M) { return std::min<unsigned>(grid_for(M, kWarps), kForwardBlocks); }
 }  // namespace
 
 void layernorm_forward(const float* x, int x_row_stride, const float* w, const float* b, bf16* y, float* mean,
@@ -226,7 +233,7 @@ void layernorm_forward(const float* x, int x_row_stride, const float* w, const f
          "layernorm_forward: D must be a multiple of 8 up to 1536, rows 16-byte aligned");
   dispatch_chunks(D, [&](auto chunks) {
     layernorm_forward_kernel<decltype(chunks)::value, false>
-        <<<grid_for(M, kWarps), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, y, Fp8Out{}, mean, rstd, M, D, eps);
+        <<<forward_blocks(M), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, y, Fp8Out{}, mean, rstd, M, D, eps);
   });
   LAUNCH_CHECK();
 }
@@ -239,7 +246,7 @@ void layernorm_forward_fp8(const float* x, int x_row_stride, const float* w, con
          "layernorm_forward_fp8: D a multiple of 8 up to 1536, rows 16-byte aligned, a row-major E4M3 output");
   dispatch_chunks(D, [&](auto chunks) {
     layernorm_forward_kernel<decltype(chunks)::value, true>
-        <<<grid_for(M, kWarps), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, nullptr, o, mean, rstd, M, D, eps);
+        <<<forward_blocks(M), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, nullptr, o, mean, rstd, M, D, eps);
   });
   LAUNCH_CHECK();
 }
@@ -254,7 +261,11 @@ void layernorm_apply_fp8(const float* x, int x_row_stride, const float* w, const
   LAUNCH_CHECK();
 }
 
-size_t layernorm_partial_floats(int M, int D) { return static_cast<size_t>(grid_for(M, kBackwardRows)) * 2 * D; }
+namespace {
+unsigned backward_blocks(int M) { return std::min<unsigned>(grid_for(M, kWarps), kBackwardBlocks); }
+}  // namespace
+
+size_t layernorm_partial_floats(int M, int D) { return static_cast<size_t>(backward_blocks(M)) * 2 * D; }
 
 void layernorm_backward(const bf16* dy, const float* x, int row_stride, const float* w, const float* mean,
                         const float* rstd, float* g, bf16* g_bf16, float* dw, float* db, float* partial, int M, int D,
@@ -263,7 +274,7 @@ void layernorm_backward(const bf16* dy, const float* x, int row_stride, const fl
   ENSURE(D % 8 == 0 && D <= 128 * kMaxChunks && row_stride % 4 == 0 && is_aligned16(x) && is_aligned16(g) &&
              is_aligned16(dy) && is_aligned16(g_bf16) && is_aligned16(w) && is_aligned16(partial),
          "layernorm_backward: D must be a multiple of 8 up to 1536, rows 16-byte aligned");
-  const unsigned blocks = grid_for(M, kBackwardRows);
+  const unsigned blocks = backward_blocks(M);
   const size_t smem = static_cast<size_t>(kWarps) * 2 * D * sizeof(float);
   dispatch_chunks(D, [&](auto chunks) {
     auto kernel = layernorm_backward_kernel<decltype(chunks)::value>;  // set each call: it is per device
