@@ -78,7 +78,6 @@ struct GeluSource {
   const bf16* h;
   int cols;
   using Raw = Bf16x8;
-  static constexpr int kTilesPerBlock = 8;
   __device__ Raw fetch(int r, int c) const { return *reinterpret_cast<const Bf16x8*>(h + static_cast<size_t>(r) * cols + c); }
   __device__ void convert(const Raw& raw, int, int, float* x) const {
     raw.to_float(x);

@@ -34,6 +34,10 @@ void cast_to_fp8(const __nv_bfloat16* in, int rows, int cols, const Fp8Out& o, c
                  float* db = nullptr, float* partial = nullptr);
 size_t fp8_cast_partial_floats(int rows, int cols);
 
+// out_t [cols, rows] = the FP8 codes in [rows, cols] transposed (both multiples of 8): a kept
+// row-major copy turned into the one a weight gradient needs.
+void transpose_fp8(const uint8_t* in, int rows, int cols, uint8_t* out_t, cudaStream_t stream);
+
 // The casts of count same-shaped tensors in one launch: tensor z reads in + z * in_stride and
 // writes through first's pointers advanced by z times the byte strides (scale and amax share
 // one: they live in one record). For many small tensors (the weights) one launch fills the GPU

@@ -184,26 +184,23 @@ __device__ __forceinline__ Fp8Out batch_member(Fp8Out o, const Fp8Strides& s, si
   return o;
 }
 
-__host__ __device__ inline int tile_rows(int rows) { return (rows + kTileRows - 1) / kTileRows; }
-// Row blocks of a producer's grid, each of up to `tiles` row tiles; so also the rows of partial
-// a producer with column sums fills.
-inline int partial_rows(int rows, int tiles) { return (tile_rows(rows) + tiles - 1) / tiles; }
-
 // The generic producer. A Source has a Raw type (what one vector's loads bring), fetch(r, c) (the
 // loads of the 8 values at row r, columns c..c+7, of tensor blockIdx.z for a source that
-// batches), convert(raw, r, c, x) (the 8 values from them) and kTilesPerBlock. With kColSums the
-// values' column sums go to partial's row blockIdx.y.
+// batches) and convert(raw, r, c, x) (the 8 values from them). With kColSums the values' column
+// sums go to partial's row blockIdx.y.
 // A block walks the column of tiles blockIdx.x, every gridDim.y-th row tile from blockIdx.y: a
-// fixed number of tiles (so the partial sums, and the results, do not depend on the card).
-// With more than one, the next tile's loads are issued before the current tile is converted, so
-// that each block keeps its reads in flight through its arithmetic and stores: one tile a block
-// left a block's successor's loads waiting behind its whole life (the casts ran at half the
-// card's copy rate). A source whose loads take many registers (LayerNorm's fp32 rows) keeps one
-// tile a block at four blocks an SM instead: prefetching, at two, was slower.
+// fixed number of tiles (kTilesPerBlock, so the partial sums, and the results, do not depend on
+// the card), issuing the next tile's loads before it converts the current one, so that its reads
+// stay in flight through its arithmetic and stores. One tile a block left a block's successor's
+// loads waiting behind its whole life: the casts ran at half the card's copy rate (BENCHMARKS 35).
+constexpr int kTilesPerBlock = 8;
+__host__ __device__ inline int tile_rows(int rows) { return (rows + kTileRows - 1) / kTileRows; }
+// Row blocks of a producer's grid; so also the rows of partial a producer with column sums fills.
+inline int partial_rows(int rows) { return (tile_rows(rows) + kTilesPerBlock - 1) / kTilesPerBlock; }
+
 template <__nv_fp8_interpretation_t kKind, bool kColSums, class Source>
-__global__ void __launch_bounds__(kThreads, Source::kTilesPerBlock > 1 ? 2 : 4)
+__global__ void __launch_bounds__(kThreads, 2)
     tile_kernel(Source src, int rows, int cols, Fp8Out o, Fp8Strides strides, float* __restrict__ partial) {
-  constexpr bool kPrefetch = Source::kTilesPerBlock > 1;
   if (gridDim.z > 1) o = batch_member(o, strides, blockIdx.z);
   __shared__ Tile tile;
   __shared__ BlockScratch scratch;
@@ -212,16 +209,24 @@ __global__ void __launch_bounds__(kThreads, Source::kTilesPerBlock > 1 ? 2 : 4)
   const bool row_major = q.write && o.out, transposed = q.write && o.out_t;
   const int c0 = blockIdx.x * kTileCols, row_tiles = tile_rows(rows);
   float sum[kVec] = {};
-  using Raw = typename Source::Raw;
-  auto fetch = [&](int t, Raw(&raw)[kPerThread], bool(&in)[kPerThread]) {
+  typename Source::Raw raw[kPerThread], next[kPerThread];
+  bool in[kPerThread], next_in[kPerThread];
+  auto fetch = [&](int t) {
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       const int v = threadIdx.x + k * kThreads, r = t * kTileRows + vec_row(v), c = c0 + vec_col(v);
-      in[k] = r < rows && c < cols;  // cols % 8 == 0: a vector is all in or all out
-      if (in[k]) raw[k] = src.fetch(r, c);
+      next_in[k] = r < rows && c < cols;  // cols % 8 == 0: a vector is all in or all out
+      if (next_in[k]) next[k] = src.fetch(r, c);
     }
   };
-  auto process = [&](int t, const Raw(&raw)[kPerThread], const bool(&in)[kPerThread]) {
+  fetch(blockIdx.y);
+  for (int t = blockIdx.y; t < row_tiles; t += gridDim.y) {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      raw[k] = next[k];
+      in[k] = next_in[k];
+    }
+    if (t + gridDim.y < row_tiles) fetch(t + gridDim.y);
     const int r0 = t * kTileRows;
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
@@ -240,27 +245,8 @@ __global__ void __launch_bounds__(kThreads, Source::kTilesPerBlock > 1 ? 2 : 4)
     if (transposed) {
       __syncthreads();  // the tile is complete
       store_transposed(tile, o.out_t, r0, c0, rows, cols);
-      if (kPrefetch) __syncthreads();  // and read, before the next tile's codes go in
+      __syncthreads();  // and read, before the next tile's codes go in
     }
-  };
-  Raw raw[kPerThread];
-  bool in[kPerThread];
-  if constexpr (kPrefetch) {
-    Raw next[kPerThread];
-    bool next_in[kPerThread];
-    fetch(blockIdx.y, next, next_in);
-    for (int t = blockIdx.y; t < row_tiles; t += gridDim.y) {
-#pragma unroll
-      for (int k = 0; k < kPerThread; ++k) {
-        raw[k] = next[k];
-        in[k] = next_in[k];
-      }
-      if (t + gridDim.y < row_tiles) fetch(t + gridDim.y, next, next_in);
-      process(t, raw, in);
-    }
-  } else {  // gridDim.y == row_tiles: the block's one tile
-    fetch(blockIdx.y, raw, in);
-    process(blockIdx.y, raw, in);
   }
   if constexpr (kColSums) {
     tile_column_sums(sum, sums, partial + static_cast<size_t>(blockIdx.y) * cols, c0, cols);
@@ -271,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, Source::kTilesPerBlock > 1 ? 2 : 4)
 template <class Source>
 void launch_tile(const Source& src, int rows, int cols, const Fp8Out& o, float* partial, cudaStream_t stream,
                  int count = 1, const Fp8Strides& strides = {}) {
-  const dim3 g(grid(rows, cols).x, partial_rows(rows, Source::kTilesPerBlock), count);
+  const dim3 g(grid(rows, cols).x, partial_rows(rows), count);
   if (o.kind == Fp8Kind::E4M3) {
     if (partial) tile_kernel<__NV_E4M3, true><<<g, kThreads, 0, stream>>>(src, rows, cols, o, strides, partial);
     else tile_kernel<__NV_E4M3, false><<<g, kThreads, 0, stream>>>(src, rows, cols, o, strides, partial);

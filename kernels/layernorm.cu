@@ -28,8 +28,8 @@ __device__ __forceinline__ void load_row(const float* row, int D4, float4 (&v)[C
   }
 }
 
-// The normalised, scaled and shifted value, rounded the same way wherever it is computed (no
-// contraction left to the compiler): the FP8 backward recomputes the forward's codes from it.
+// The normalised, scaled and shifted value, rounded the same way in every build (no contraction
+// left to the compiler).
 __device__ __forceinline__ float ln_value(float x, float mean, float rstd, float g, float b) {
   return __fmaf_rn(__fmul_rn(__fsub_rn(x, mean), rstd), g, b);
 }
@@ -85,38 +85,6 @@ __global__ void __launch_bounds__(kWarps * 32, kFp8 ? 3 : 1)
   }
   if constexpr (kFp8) fp8tile::block_record(q, o, scratch);
 }
-
-// The FP8 recompute of a forward output from its saved statistics, for the tiled producer.
-// Its values computed at fetch (as soon as the row's statistics arrive): holding the raw rows
-// and statistics instead until conversion took 40 registers a thread for its four vectors and spilled.
-struct LayerNormSource {
-  const float *x, *w, *b, *mean, *rstd;
-  int stride;
-  struct Raw {
-    float v[8];
-  };
-  static constexpr int kTilesPerBlock = 1;
-  __device__ Raw fetch(int r, int c) const {
-    const float4* xr = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * stride + c);
-    const float4* g = reinterpret_cast<const float4*>(w + c);
-    const float4* bb = reinterpret_cast<const float4*>(b + c);
-    const float mu = mean[r], rs = rstd[r];
-    Raw out;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float4 xv = xr[h], gv = g[h], bv = bb[h];
-      out.v[4 * h + 0] = ln_value(xv.x, mu, rs, gv.x, bv.x);
-      out.v[4 * h + 1] = ln_value(xv.y, mu, rs, gv.y, bv.y);
-      out.v[4 * h + 2] = ln_value(xv.z, mu, rs, gv.z, bv.z);
-      out.v[4 * h + 3] = ln_value(xv.w, mu, rs, gv.w, bv.w);
-    }
-    return out;
-  }
-  __device__ void convert(const Raw& raw, int, int, float* v) const {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = raw.v[j];
-  }
-};
 
 __device__ __forceinline__ float4 bf16x4_to_float4(uint2 u) {
   const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
@@ -248,16 +216,6 @@ void layernorm_forward_fp8(const float* x, int x_row_stride, const float* w, con
     layernorm_forward_kernel<decltype(chunks)::value, true>
         <<<forward_blocks(M), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, nullptr, o, mean, rstd, M, D, eps);
   });
-  LAUNCH_CHECK();
-}
-
-void layernorm_apply_fp8(const float* x, int x_row_stride, const float* w, const float* b, const float* mean,
-                         const float* rstd, int M, int D, const Fp8Out& o, cudaStream_t stream) {
-  NvtxRange range("layernorm_apply_fp8");
-  ENSURE(fp8tile::valid(o, M, D) && o.kind == Fp8Kind::E4M3 && x_row_stride % 4 == 0 && is_aligned16(x) &&
-             is_aligned16(w) && is_aligned16(b),
-         "layernorm_apply_fp8: M and D multiples of 8, rows 16-byte aligned, an E4M3 output");
-  fp8tile::launch_tile(LayerNormSource{x, w, b, mean, rstd, x_row_stride}, M, D, o, nullptr, stream);
   LAUNCH_CHECK();
 }
 

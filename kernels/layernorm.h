@@ -14,11 +14,6 @@ void layernorm_forward(const float* x, int x_row_stride, const float* w, const f
 // forward GEMM's operand; out_t must be null: a row per warp has no transposed tile).
 void layernorm_forward_fp8(const float* x, int x_row_stride, const float* w, const float* b, const Fp8Out& o,
                            float* mean, float* rstd, int M, int D, float eps, cudaStream_t stream);
-// y = LN(x) from the saved mean and rstd, to FP8 E4M3 through o (either copy): the backward's
-// recompute of the forward's output for a weight gradient, the same codes given the same scale.
-void layernorm_apply_fp8(const float* x, int x_row_stride, const float* w, const float* b, const float* mean,
-                         const float* rstd, int M, int D, const Fp8Out& o, cudaStream_t stream);
-
 // Backward, fused with the residual: g[r] += dLN/dx (rows at g_row_stride, fp32, in place) and
 // g_bf16[r] = bf16(g[r]) for the next GEMM; dy [M, D] bf16 contiguous. The weight and bias
 // gradients go to dw, db (overwritten) through per-block partial sums in partial

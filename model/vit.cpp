@@ -67,6 +67,11 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
     s.add(&b.ln2_mean, M);
     s.add(&b.ln2_rstd, M);
     s.add(&b.fc1, M * H);
+    if (precision_ == Precision::FP8) {
+      s.add(&b.ln1_8, M * D);
+      s.add(&b.ln2_8, M * D);
+      s.add(&b.attn8t, M * D);
+    }
   }
   s.add(&lnf_, B * D);
   s.add(&lnf_mean_, B);
@@ -116,8 +121,11 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
     a.optimizer.add(&fp8_skipped_, 2);  // skipped steps, and in a row
     a.optimizer.add(&fp8_amax_scratch_, 1);
     a.optimizer.add(&fp8_amax_reduce_, linears_.size() * 12 + 1);
-    // No input is kept in FP8 for the backward: the weight gradients recompute the transposed
-    // copies (from the LayerNorm statistics, the attention output, the pre-GELU activation).
+    // The weight gradients' transposed inputs: the LayerNorm outputs' kept codes transposed, the
+    // attention output's kept as such, the GELU output's recomputed (from the pre-GELU activation,
+    // in the pass that computes fc1's output gradient). Recomputing LayerNorm's from the
+    // statistics (fp32 rows) took 33 us a call against the transpose's ~10, and the attention
+    // output's 21 us: 1.5 GiB of activations at ViT-H for ~2 ms a step (BENCHMARKS 35).
     w.add(&x8_, M * widest);
     for (int i = 0; i < 2; ++i) {
       w.add(&dy8_[i], M * widest);
@@ -405,22 +413,22 @@ void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) 
   const BlockActs& a = acts_[l];
   const float *x = resid(2 * l), *x_mid = resid(2 * l + 1);
   { auto t = timer.op(OpKind::LayerNorm, st);
-    produce_fp8(meta(l, kQkv, kInput), Fp8Kind::E4M3, x8_, nullptr, st, [&](const Fp8Out& o) {
+    produce_fp8(meta(l, kQkv, kInput), Fp8Kind::E4M3, a.ln1_8, nullptr, st, [&](const Fp8Out& o) {
       layernorm_forward_fp8(x, D, p(w.norm1_w), p(w.norm1_b), o, a.ln1_mean, a.ln1_rstd, M_, D, kLayerNormEps, st);
     }); }
-  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kQkv, x8_, nullptr, a.qkv, DType::BF16, st); }
+  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kQkv, a.ln1_8, nullptr, a.qkv, DType::BF16, st); }
   { auto t = timer.op(OpKind::Attention, st);
     attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st, attention_forward_); }
   { auto t = timer.op(OpKind::Fp8Cast, st);  // the attention output stays in bf16 for its own backward
-    produce_fp8(meta(l, kProj, kInput), Fp8Kind::E4M3, x8_, nullptr, st,
+    produce_fp8(meta(l, kProj, kInput), Fp8Kind::E4M3, x8_, a.attn8t, st,
                 [&](const Fp8Out& o) { cast_to_fp8(a.attn, M_, D, o, st); }); }
   { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kProj, x8_, x, resid(2 * l + 1), DType::F32, st); }
   { auto t = timer.op(OpKind::LayerNorm, st);
-    produce_fp8(meta(l, kFc1, kInput), Fp8Kind::E4M3, x8_, nullptr, st, [&](const Fp8Out& o) {
+    produce_fp8(meta(l, kFc1, kInput), Fp8Kind::E4M3, a.ln2_8, nullptr, st, [&](const Fp8Out& o) {
       layernorm_forward_fp8(x_mid, D, p(w.norm2_w), p(w.norm2_b), o, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps,
                             st);
     }); }
-  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kFc1, x8_, nullptr, a.fc1, DType::BF16, st); }
+  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kFc1, a.ln2_8, nullptr, a.fc1, DType::BF16, st); }
   { auto t = timer.op(OpKind::Gelu, st);
     produce_fp8(meta(l, kFc2, kInput), Fp8Kind::E4M3, x8_, nullptr, st,
                 [&](const Fp8Out& o) { gelu_forward_fp8(a.fc1, M_, Hd, o, st); }); }
@@ -511,7 +519,8 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
 // The same in FP8. Each output gradient is cast once into both FP8 copies (dy for the input
 // gradient, dy^T for the weight gradient) with its column sums, the bias gradient, in the same
 // pass; fc1's comes straight out of the GELU backward. The weight gradients' transposed inputs
-// are recomputed into x8_ with the forward's scales: the same codes the forward multiplied.
+// are the forward's own codes: LayerNorm's transposed into x8_, the attention output's kept
+// transposed, fc2's input recomputed into x8_ by the GELU backward with the forward's scale.
 void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   const int D = cfg_.dim, Hd = cfg_.hidden();
   const BlockParams& w = layout_.blocks[l];
@@ -531,9 +540,7 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer)
                         partial_, st);
     }); }
   { auto t = timer.op(OpKind::Gemm, st); fp8_weight_grad(gemm, l, kFc2, dy8t_[0], x8_, st); }
-  { auto t = timer.op(OpKind::LayerNorm, st);
-    layernorm_apply_fp8(resid(2 * l + 1), D, p(w.norm2_w), p(w.norm2_b), a.ln2_mean, a.ln2_rstd, M_, D,
-                        recompute_fp8(meta(l, kFc1, kInput), x8_), st); }
+  { auto t = timer.op(OpKind::Fp8Cast, st); transpose_fp8(a.ln2_8, M_, D, x8_, st); }
   { auto t = timer.op(OpKind::Gemm, st);
     fp8_weight_grad(gemm, l, kFc1, dy8t_[1], x8_, st);
     fp8_input_grad(gemm, l, kFc1, dy8_[1], dln_, st); }
@@ -542,17 +549,14 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer)
                        g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
   // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
   output_grad(kProj, dresid_bf16_, D);
-  { auto t = timer.op(OpKind::Fp8Cast, st); cast_to_fp8(a.attn, M_, D, recompute_fp8(meta(l, kProj, kInput), x8_), st); }
   { auto t = timer.op(OpKind::Gemm, st);
-    fp8_weight_grad(gemm, l, kProj, dy8t_[0], x8_, st);
+    fp8_weight_grad(gemm, l, kProj, dy8t_[0], a.attn8t, st);
     fp8_input_grad(gemm, l, kProj, dy8_[0], dattn_, st); }
   { auto t = timer.op(OpKind::Attention, st);
     attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st,
                        attention_backward_); }
   output_grad(kQkv, dqkv_, 3 * D);
-  { auto t = timer.op(OpKind::LayerNorm, st);
-    layernorm_apply_fp8(resid(2 * l), D, p(w.norm1_w), p(w.norm1_b), a.ln1_mean, a.ln1_rstd, M_, D,
-                        recompute_fp8(meta(l, kQkv, kInput), x8_), st); }
+  { auto t = timer.op(OpKind::Fp8Cast, st); transpose_fp8(a.ln1_8, M_, D, x8_, st); }
   { auto t = timer.op(OpKind::Gemm, st);
     fp8_weight_grad(gemm, l, kQkv, dy8t_[0], x8_, st);
     fp8_input_grad(gemm, l, kQkv, dy8_[0], dln_, st); }

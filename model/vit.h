@@ -144,7 +144,9 @@ class ViT {
   struct BlockActs {
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd, *lse;
     bf16 *ln1, *qkv, *attn, *ln2, *fc1;  // fc1: the pre-GELU activation; GELU is recomputed
-    // (FP8 keeps no ln1, ln2: the weight gradients recompute their FP8 copies from the stats)
+    // FP8 keeps ln1 and ln2 as the FP8 codes its GEMMs read (ln1_8, ln2_8: the backward transposes
+    // them for the weight gradients), and the attention output's transposed codes (attn8t).
+    uint8_t *ln1_8 = nullptr, *ln2_8 = nullptr, *attn8t = nullptr;
   };
   // One Linear layer of a block: its parameter tensors and, in FP8, its weight's two copies.
   enum Lin { kQkv, kProj, kFc1, kFc2 };
