@@ -99,6 +99,6 @@ profile: vit_train
 	  ./vit_train --steps 15 --profile-steps 10:14
 
 clean:
-	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate attention_trace tma_rate
+	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate attention_trace tma_rate memory_rate
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

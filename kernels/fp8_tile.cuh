@@ -100,7 +100,7 @@ __device__ void block_record(const Q& q, const Fp8Out& o, BlockScratch& s) {
 
 // A tile's codes in shared memory, for the transposed copy (rows padded: no bank conflicts on
 // the column reads).
-struct Tile {
+struct alignas(16) Tile {
   uint8_t code[kTileRows][kTileCols + 8];
 };
 

@@ -9,11 +9,13 @@
 
 namespace {
 constexpr int kWarps = 8;
-// Blocks of the row-walking kernels: one wave on a 132-SM H100 or H200 (three blocks an SM
-// forward, two backward). Fixed, not read from the card: the backward's weight-gradient sums go
+// Blocks of the row-walking kernels: one wave on a 132-SM H100 or H200 (three blocks an SM for
+// the FP8 forward, two for the bf16 forward and the backward, as many as their registers allow
+// without a spill). Fixed, not read from the card: the backward's weight-gradient sums go
 // through a partial row a block, so their order, and the result, must not depend on the card.
-constexpr int kForwardBlocks = 3 * 132;
-constexpr int kBackwardBlocks = 2 * 132;
+constexpr int kSMs = 132;
+constexpr int forward_blocks_per_sm(bool fp8) { return fp8 ? 3 : 2; }
+constexpr int kBackwardBlocks = 2 * kSMs;
 constexpr int kMaxChunks = 12;     // a lane holds up to 12 float4 of a row: D <= 1536 (more spills)
 
 // A warp owns a row; lane l holds its float4 columns l, l + 32, ... in registers (CHUNKS of
@@ -37,9 +39,9 @@ __device__ __forceinline__ float ln_value(float x, float mean, float rstd, float
 // The output goes to bf16 y, or (kFp8) to FP8 E4M3 through o: the GEMM's row-major operand.
 // A warp takes a row at a time, every (gridDim.x * kWarps)-th: one wave of blocks walks all the
 // rows (a block a row group before: three waves at ViT-H, 3% slower). FP8: three blocks an SM
-// (at four, the row loop spilled at D 1280).
+// (at four, the row loop spilled at D 1280); bf16: two (at three it spilled at D 1408).
 template <int CHUNKS, bool kFp8>
-__global__ void __launch_bounds__(kWarps * 32, kFp8 ? 3 : 1)
+__global__ void __launch_bounds__(kWarps * 32, forward_blocks_per_sm(kFp8))
     layernorm_forward_kernel(const float* __restrict__ x, int x_row_stride, const float* __restrict__ w,
                              const float* __restrict__ b, bf16* __restrict__ y, Fp8Out o,
                              float* __restrict__ mean_out, float* __restrict__ rstd_out, int M, int D, float eps) {
@@ -190,7 +192,9 @@ void dispatch_chunks(int D, F&& f) {
   }
 }
 
-unsigned forward_blocks(int M) { return std::min<unsigned>(grid_for(M, kWarps), kForwardBlocks); }
+unsigned forward_blocks(int M, bool fp8) {
+  return std::min<unsigned>(grid_for(M, kWarps), forward_blocks_per_sm(fp8) * kSMs);
+}
 }  // namespace
 
 void layernorm_forward(const float* x, int x_row_stride, const float* w, const float* b, bf16* y, float* mean,
@@ -201,7 +205,7 @@ void layernorm_forward(const float* x, int x_row_stride, const float* w, const f
          "layernorm_forward: D must be a multiple of 8 up to 1536, rows 16-byte aligned");
   dispatch_chunks(D, [&](auto chunks) {
     layernorm_forward_kernel<decltype(chunks)::value, false>
-        <<<forward_blocks(M), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, y, Fp8Out{}, mean, rstd, M, D, eps);
+        <<<forward_blocks(M, false), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, y, Fp8Out{}, mean, rstd, M, D, eps);
   });
   LAUNCH_CHECK();
 }
@@ -214,7 +218,7 @@ void layernorm_forward_fp8(const float* x, int x_row_stride, const float* w, con
          "layernorm_forward_fp8: D a multiple of 8 up to 1536, rows 16-byte aligned, a row-major E4M3 output");
   dispatch_chunks(D, [&](auto chunks) {
     layernorm_forward_kernel<decltype(chunks)::value, true>
-        <<<forward_blocks(M), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, nullptr, o, mean, rstd, M, D, eps);
+        <<<forward_blocks(M, true), kWarps * 32, 0, stream>>>(x, x_row_stride, w, b, nullptr, o, mean, rstd, M, D, eps);
   });
   LAUNCH_CHECK();
 }

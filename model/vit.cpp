@@ -57,7 +57,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
     nvtx_backward_.push_back("block " + std::to_string(l) + " backward");
   }
   for (BlockActs& b : acts_) {
-    if (precision_ == Precision::BF16) s.add(&b.ln1, M * D);  // FP8 keeps its transposed FP8 copy instead
+    if (precision_ == Precision::BF16) s.add(&b.ln1, M * D);  // FP8 keeps its FP8 codes instead (ln1_8)
     s.add(&b.ln1_mean, M);
     s.add(&b.ln1_rstd, M);
     s.add(&b.qkv, M * 3 * D);
@@ -124,8 +124,8 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
     // The weight gradients' transposed inputs: the LayerNorm outputs' kept codes transposed, the
     // attention output's kept as such, the GELU output's recomputed (from the pre-GELU activation,
     // in the pass that computes fc1's output gradient). Recomputing LayerNorm's from the
-    // statistics (fp32 rows) took 33 us a call against the transpose's ~10, and the attention
-    // output's 21 us: 1.5 GiB of activations at ViT-H for ~2 ms a step (BENCHMARKS 35).
+    // statistics (fp32 rows) took 33 us a call against the transpose's 13, and the attention
+    // output's 21 us: 1.5 GiB of activations at ViT-H for 1.3 ms a step (BENCHMARKS 35).
     w.add(&x8_, M * widest);
     for (int i = 0; i < 2; ++i) {
       w.add(&dy8_[i], M * widest);
@@ -405,8 +405,9 @@ void ViT::forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer)
 }
 
 // The same block with the four Linear layers in FP8: each GEMM input is written in FP8 by the
-// kernel that computes it (LayerNorm, GELU; the attention output is cast), row-major only; the
-// backward recomputes the transposed copies its weight gradients need.
+// kernel that computes it (LayerNorm, GELU; the attention output is cast). The LayerNorm codes
+// are kept for the backward, which transposes them; the attention output's cast also writes the
+// transposed copy, kept; the GELU output's transposed copy is recomputed in the backward.
 void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   const int D = cfg_.dim, Hd = cfg_.hidden();
   const BlockParams& w = layout_.blocks[l];

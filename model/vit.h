@@ -207,8 +207,9 @@ class ViT {
   unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting
   std::function<void(float*, int, cudaStream_t)> amax_reduce_;
   float* fp8_amax_reduce_ = nullptr;  // the step's amaxes and a bad-step flag, gathered for the reduce
-  // FP8 operands of the products at hand: a forward input (or, in the backward, its recomputed
-  // transposed copy), and two output gradients' copies (fc2's live on while fc1's are made).
+  // FP8 operands of the products at hand: a forward input (or, in the backward, a transposed
+  // one: kept LayerNorm codes transposed, or the GELU output recomputed), and two output
+  // gradients' copies (fc2's live on while fc1's are made).
   uint8_t *x8_ = nullptr, *dy8_[2] = {}, *dy8t_[2] = {};
 
   float *params_, *grads_, *momentum_;

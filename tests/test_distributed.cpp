@@ -119,6 +119,11 @@ TEST_CASE("distributed: the launcher's environment, torchrun's and Slurm's, and 
 TEST_CASE("distributed: rendezvous over loopback hands every process the id; failures reach every process") {
   const int port = free_port(), n = 3;
   const std::vector<char> id = {'n', 'c', 'c', 'l', '-', 'i', 'd', '!'};
+  // What the failure callbacks write: declared before the channels, so that it outlives their
+  // watcher threads (a callback still running after the test's last check once wrote into a
+  // vector already destroyed: a crash one run in ~15).
+  std::vector<std::string> heard(n);
+  std::mutex m;
   std::vector<std::unique_ptr<ControlChannel>> ch(n);
   std::vector<std::thread> t;
   for (int r = n - 1; r >= 0; --r)  // the others first: they retry until process 0 listens
@@ -127,8 +132,6 @@ TEST_CASE("distributed: rendezvous over loopback hands every process the id; fai
   for (int r = 0; r < n; ++r) CHECK(ch[r]->payload() == id);
 
   // Process 2 fails: process 0 passes it on, process 1 hears of it.
-  std::vector<std::string> heard(n);
-  std::mutex m;
   for (int r = 0; r < n; ++r)
     ch[r]->on_failure([&, r](const std::string& f) {
       std::lock_guard<std::mutex> lock(m);
@@ -138,8 +141,15 @@ TEST_CASE("distributed: rendezvous over loopback hands every process the id; fai
   CHECK(wait_for([&] { return !ch[1]->failure().empty() && !ch[0]->failure().empty(); }, 10));
   CHECK(ch[1]->failure() == "process 2: out of memory");
   CHECK(ch[0]->failure() == "process 2: out of memory");
+  // The callbacks run after failure() changes: wait for them too.
+  CHECK(wait_for([&] {
+    std::lock_guard<std::mutex> lock(m);
+    return !heard[0].empty() && !heard[1].empty();
+  }, 10));
   std::lock_guard<std::mutex> lock(m);
+  CHECK(heard[0] == "process 2: out of memory");
   CHECK(heard[1] == "process 2: out of memory");
+  CHECK(heard[2].empty());  // the failing process knows already
 }
 
 TEST_CASE("distributed: a process that vanishes without a goodbye is reported lost; a goodbye is not a failure") {

@@ -1,7 +1,7 @@
 // GPU tier: the kernels that write FP8 GEMM operands as they compute them (kernels/fp8.h):
-// the cast with its bias sums and statistics, GELU forward and backward, LayerNorm forward and
-// its recompute from the saved statistics. Codes are checked against the oracle's encoding of
-// the float64 truth; the backward's recomputes against the forward's codes, bit for bit.
+// the cast with its bias sums and statistics, GELU forward and backward, LayerNorm forward, and
+// the transpose of kept codes. Codes are checked against the oracle's encoding of the float64
+// truth; the GELU backward's recompute against the forward's codes, bit for bit.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -61,54 +61,59 @@ std::vector<uint8_t> transposed(const std::vector<uint8_t>& a, int rows, int col
 TEST_CASE("gpu: FP8 cast with bias sums, statistics, and an amax-only pass") {
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
-  const int rows = 80, cols = 136;  // partial 64 x 64 tiles both ways
-  const size_t n = static_cast<size_t>(rows) * cols;
-  for (Fp8Kind kind : {Fp8Kind::E4M3, Fp8Kind::E5M2}) {
-    CAPTURE(int(kind));
-    const ref::Fp8 f = oracle_kind(kind);
-    const float scale = kind == Fp8Kind::E4M3 ? 100.0f : 3000.0f;
-    const double fmax = ref::fp8_format(f).max;
-    auto x = round_bf16(random_vec(rng, n, -3, 3));
-    for (size_t i = 0; i < n; i += 97) x[i] = 1e-9;  // underflow to zero after scaling
-    x[5] = 8192;                                     // saturates
-    x[6] = 0;                                        // zero is not an underflow
-    std::vector<double> db_ref(cols, 0.0);
-    unsigned long long under = 0, sat = 0;
-    for (size_t i = 0; i < n; ++i) {
-      db_ref[i % cols] += x[i];
-      const uint8_t code = ref::fp8_encode(static_cast<float>(x[i]) * scale, f);
-      under += x[i] != 0 && (code & 0x7f) == 0;
-      sat += std::fabs(static_cast<float>(x[i]) * scale) > fmax;
-    }
-    x = round_bf16(x);
-    DeviceBuffer<bf16> in(to_bf16(x));
-    DeviceBuffer<float> s(std::vector<float>{scale}), amax(std::vector<float>{0.5f}), db(cols),
-        partial(fp8_cast_partial_floats(rows, cols));
-    DeviceBuffer<uint8_t> out(n), out_t(n);
-    DeviceBuffer<unsigned long long> stats(std::vector<unsigned long long>{0, 0, 0});
-    cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, s.get(), out.get(), out_t.get(), amax.get(), stats.get()}, 0,
-                db.get(), partial.get());
-    const auto o = out.download();
-    int mismatches = 0;
-    for (size_t i = 0; i < n; ++i) mismatches += o[i] != ref::fp8_encode(static_cast<float>(x[i]) * scale, f);
-    CHECK(mismatches == 0);
-    CHECK(out_t.download() == transposed(o, rows, cols));
-    CHECK(amax.download()[0] == static_cast<float>(amax_of(x)));
-    CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-5);
-    const auto st = stats.download();
-    CHECK(st[0] == under);
-    CHECK(under >= n / 97 - 1);
-    CHECK(st[1] == sat);
-    CHECK(sat >= 1);
-    CHECK(st[2] == n);
+  // Partial 64 x 128 tiles both ways; 80 rows: one block walks both row tiles, 1160: three
+  // blocks a column walk 19 (7, 6 and 6 of them), the bias sums crossing blocks.
+  for (const int rows : {80, 1160}) {
+    for (Fp8Kind kind : {Fp8Kind::E4M3, Fp8Kind::E5M2}) {
+      const int cols = 136;
+      const size_t n = static_cast<size_t>(rows) * cols;
+      CAPTURE(rows);
+      CAPTURE(int(kind));
+      const ref::Fp8 f = oracle_kind(kind);
+      const float scale = kind == Fp8Kind::E4M3 ? 100.0f : 3000.0f;
+      const double fmax = ref::fp8_format(f).max;
+      auto x = round_bf16(random_vec(rng, n, -3, 3));
+      for (size_t i = 0; i < n; i += 97) x[i] = 1e-9;  // underflow to zero after scaling
+      x[5] = 8192;                                     // saturates
+      x[6] = 0;                                        // zero is not an underflow
+      std::vector<double> db_ref(cols, 0.0);
+      unsigned long long under = 0, sat = 0;
+      for (size_t i = 0; i < n; ++i) {
+        db_ref[i % cols] += x[i];
+        const uint8_t code = ref::fp8_encode(static_cast<float>(x[i]) * scale, f);
+        under += x[i] != 0 && (code & 0x7f) == 0;
+        sat += std::fabs(static_cast<float>(x[i]) * scale) > fmax;
+      }
+      x = round_bf16(x);
+      DeviceBuffer<bf16> in(to_bf16(x));
+      DeviceBuffer<float> s(std::vector<float>{scale}), amax(std::vector<float>{0.5f}), db(cols),
+          partial(fp8_cast_partial_floats(rows, cols));
+      DeviceBuffer<uint8_t> out(n), out_t(n);
+      DeviceBuffer<unsigned long long> stats(std::vector<unsigned long long>{0, 0, 0});
+      cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, s.get(), out.get(), out_t.get(), amax.get(), stats.get()}, 0,
+                  db.get(), partial.get());
+      const auto o = out.download();
+      int mismatches = 0;
+      for (size_t i = 0; i < n; ++i) mismatches += o[i] != ref::fp8_encode(static_cast<float>(x[i]) * scale, f);
+      CHECK(mismatches == 0);
+      CHECK(out_t.download() == transposed(o, rows, cols));
+      CHECK(amax.download()[0] == static_cast<float>(amax_of(x)));
+      CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-5);
+      const auto st = stats.download();
+      CHECK(st[0] == under);
+      CHECK(under >= n / 97 - 1);
+      CHECK(st[1] == sat);
+      CHECK(sat >= 1);
+      CHECK(st[2] == n);
 
-    // The current recipe's first pass: no scale, nothing written, only the amax measured.
-    out.poison();
-    amax.upload(std::vector<float>{0.0f});
-    cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, nullptr, out.get(), nullptr, amax.get(), stats.get()}, 0);
-    CHECK(amax.download()[0] == static_cast<float>(amax_of(x)));
-    for (uint8_t c : out.download()) REQUIRE(c == 0xFF);
-    CHECK(stats.download()[2] == n);  // nothing written, nothing counted
+      // The current recipe's first pass: no scale, nothing written, only the amax measured.
+      out.poison();
+      amax.upload(std::vector<float>{0.0f});
+      cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, nullptr, out.get(), nullptr, amax.get(), stats.get()}, 0);
+      CHECK(amax.download()[0] == static_cast<float>(amax_of(x)));
+      for (uint8_t c : out.download()) REQUIRE(c == 0xFF);
+      CHECK(stats.download()[2] == n);  // nothing written, nothing counted
+    }
   }
 }
 
@@ -209,31 +214,35 @@ TEST_CASE("gpu: FP8 GELU over every bf16 value below 64 in magnitude") {
 TEST_CASE("gpu: FP8 LayerNorm forward") {
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
-  const int M = 80, D = 200;
-  const size_t n = static_cast<size_t>(M) * D;
-  const auto x = round_f32(random_vec(rng, n, -3, 3));
-  const auto w = round_f32(random_vec(rng, D, 0.5, 1.5)), b = round_f32(random_vec(rng, D));
-  std::vector<double> y_ref, mean_ref, rstd_ref;
-  ref::layernorm_forward(M, D, x, w.data(), b.data(), 1e-6, &y_ref, &mean_ref, &rstd_ref);
-  const float scale = 448.0f / 4.0f;
-  DeviceBuffer<float> dx(to_f32(x)), dw(to_f32(w)), db(to_f32(b)), mean(M), rstd(M), s(std::vector<float>{scale}),
-      amax(std::vector<float>{0.0f});
-  DeviceBuffer<uint8_t> y8(n);
-  layernorm_forward_fp8(dx.get(), D, dw.get(), db.get(), Fp8Out{Fp8Kind::E4M3, s.get(), y8.get(), nullptr, amax.get()},
-                        mean.get(), rstd.get(), M, D, 1e-6f, 0);
-  const auto codes = y8.download();
-  CHECK(codes_off(codes, y_ref, scale, Fp8Kind::E4M3) == 0);
-  CHECK(rel_error(to_f64(mean.download()), mean_ref) < 1e-5);
-  CHECK(rel_error(to_f64(rstd.download()), rstd_ref) < 1e-5);
-  CHECK(std::fabs(amax.download()[0] - amax_of(y_ref)) <= 1e-5 * amax_of(y_ref));
+  // 3400 rows: past the fixed grid's 3168, so that a warp walks two rows.
+  for (const int M : {80, 3400}) {
+    CAPTURE(M);
+    const int D = 200;
+    const size_t n = static_cast<size_t>(M) * D;
+    const auto x = round_f32(random_vec(rng, n, -3, 3));
+    const auto w = round_f32(random_vec(rng, D, 0.5, 1.5)), b = round_f32(random_vec(rng, D));
+    std::vector<double> y_ref, mean_ref, rstd_ref;
+    ref::layernorm_forward(M, D, x, w.data(), b.data(), 1e-6, &y_ref, &mean_ref, &rstd_ref);
+    const float scale = 448.0f / 4.0f;
+    DeviceBuffer<float> dx(to_f32(x)), dw(to_f32(w)), db(to_f32(b)), mean(M), rstd(M), s(std::vector<float>{scale}),
+        amax(std::vector<float>{0.0f});
+    DeviceBuffer<uint8_t> y8(n);
+    layernorm_forward_fp8(dx.get(), D, dw.get(), db.get(), Fp8Out{Fp8Kind::E4M3, s.get(), y8.get(), nullptr, amax.get()},
+                          mean.get(), rstd.get(), M, D, 1e-6f, 0);
+    const auto codes = y8.download();
+    CHECK(codes_off(codes, y_ref, scale, Fp8Kind::E4M3) == 0);
+    CHECK(rel_error(to_f64(mean.download()), mean_ref) < 1e-5);
+    CHECK(rel_error(to_f64(rstd.download()), rstd_ref) < 1e-5);
+    CHECK(std::fabs(amax.download()[0] - amax_of(y_ref)) <= 1e-5 * amax_of(y_ref));
 
-  // The current recipe's first pass writes nothing and measures the amax.
-  y8.poison();
-  amax.upload(std::vector<float>{0.0f});
-  layernorm_forward_fp8(dx.get(), D, dw.get(), db.get(), Fp8Out{Fp8Kind::E4M3, nullptr, y8.get(), nullptr, amax.get()},
-                        mean.get(), rstd.get(), M, D, 1e-6f, 0);
-  CHECK(std::fabs(amax.download()[0] - amax_of(y_ref)) <= 1e-5 * amax_of(y_ref));
-  for (uint8_t c : y8.download()) REQUIRE(c == 0xFF);
+    // The current recipe's first pass writes nothing and measures the amax.
+    y8.poison();
+    amax.upload(std::vector<float>{0.0f});
+    layernorm_forward_fp8(dx.get(), D, dw.get(), db.get(), Fp8Out{Fp8Kind::E4M3, nullptr, y8.get(), nullptr, amax.get()},
+                          mean.get(), rstd.get(), M, D, 1e-6f, 0);
+    CHECK(std::fabs(amax.download()[0] - amax_of(y_ref)) <= 1e-5 * amax_of(y_ref));
+    for (uint8_t c : y8.download()) REQUIRE(c == 0xFF);
+  }
 }
 
 TEST_CASE("gpu: FP8 batched cast equals one cast a tensor, with each tensor's own scale and amax") {

@@ -36,8 +36,10 @@ TEST_CASE("gpu: layernorm forward and backward against the reference") {
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
   // A partial float4 chunk (264), ViT-H's 1280 (g read early) and 1536 (g read late); row
-  // counts that leave the last block of 16 rows partial, over one and several blocks.
-  const struct { int M, D, stride_mult; } shapes[] = {{37, 264, 1}, {37, 264, 3}, {150, 1280, 1}, {21, 1536, 2}};
+  // counts that leave blocks of 8 rows partial, and past the fixed grids (2112 rows backward,
+  // 3168 forward in fp8, 2112 in bf16) so that a warp walks several rows.
+  const struct { int M, D, stride_mult; } shapes[] = {
+      {37, 264, 1}, {37, 264, 3}, {150, 1280, 1}, {21, 1536, 2}, {4001, 264, 1}, {3300, 1280, 1}};
   for (const auto& shape : shapes) {
     const int M = shape.M, D = shape.D, stride = D * shape.stride_mult;
     CAPTURE(M);
