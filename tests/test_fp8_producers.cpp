@@ -56,6 +56,39 @@ std::vector<uint8_t> transposed(const std::vector<uint8_t>& a, int rows, int col
     for (int c = 0; c < cols; ++c) t[static_cast<size_t>(c) * rows + r] = a[static_cast<size_t>(r) * cols + c];
   return t;
 }
+// GELU's FP8 forward and backward on h [M, N] with the output gradient da, against the oracle;
+// the backward's recomputed input against the forward's codes, bit for bit.
+void check_gelu_fp8(const std::vector<double>& h, const std::vector<double>& da, int M, int N, float a_scale,
+                    float dh_scale) {
+  const size_t n = static_cast<size_t>(M) * N;
+  std::vector<double> a_ref(n), dh_ref(n), db_ref(N, 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    a_ref[i] = ref::gelu(h[i]);
+    dh_ref[i] = da[i] * ref::gelu_grad(h[i]);
+    db_ref[i % N] += dh_ref[i];
+  }
+  DeviceBuffer<bf16> h_in(to_bf16(h)), da_in(to_bf16(da));
+  DeviceBuffer<float> as(std::vector<float>{a_scale}), ds(std::vector<float>{dh_scale});
+  DeviceBuffer<float> a_amax(std::vector<float>{0.0f}), dh_amax(std::vector<float>{0.0f}), db(N),
+      partial(fp8_cast_partial_floats(M, N));
+  DeviceBuffer<uint8_t> a8(n), a8t(n), dh8(n), dh8t(n);
+
+  gelu_forward_fp8(h_in.get(), M, N, Fp8Out{Fp8Kind::E4M3, as.get(), a8.get(), nullptr, a_amax.get()}, 0);
+  const auto a_codes = a8.download();
+  CHECK(codes_off(a_codes, a_ref, a_scale, Fp8Kind::E4M3) == 0);
+  CHECK(std::fabs(a_amax.download()[0] - amax_of(a_ref)) <= 1e-6 * amax_of(a_ref));
+
+  gelu_backward_fp8(da_in.get(), h_in.get(), M, N, Fp8Out{Fp8Kind::E5M2, ds.get(), dh8.get(), dh8t.get(), dh_amax.get()},
+                    Fp8Out{Fp8Kind::E4M3, as.get(), nullptr, a8t.get()}, db.get(), partial.get(), 0);
+  const auto dh_codes = dh8.download();
+  CHECK(codes_off(dh_codes, dh_ref, dh_scale, Fp8Kind::E5M2) == 0);
+  CHECK(dh8t.download() == transposed(dh_codes, M, N));
+  CHECK(std::fabs(dh_amax.download()[0] - amax_of(dh_ref)) <= 1e-5 * amax_of(dh_ref));
+  CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-4);
+  // fc2's input for its weight gradient: the forward's very codes, transposed.
+  CHECK(a8t.download() == transposed(a_codes, M, N));
+}
+
 }  // namespace
 
 TEST_CASE("gpu: FP8 cast with bias sums, statistics, and an amax-only pass") {
@@ -122,34 +155,8 @@ TEST_CASE("gpu: FP8 GELU forward, and the backward's gradient, bias sums and rec
   FRESH_RNG(rng);
   const int M = 80, N = 200;
   const size_t n = static_cast<size_t>(M) * N;
-  const auto h = round_bf16(random_vec(rng, n, -5, 5)), da = round_bf16(random_vec(rng, n, -1e-3, 1e-3));
-  std::vector<double> a_ref(n), dh_ref(n), db_ref(N, 0.0);
-  for (size_t i = 0; i < n; ++i) {
-    a_ref[i] = ref::gelu(h[i]);
-    dh_ref[i] = da[i] * ref::gelu_grad(h[i]);
-    db_ref[i % N] += dh_ref[i];
-  }
-  const float a_scale = 448.0f / 5.0f, dh_scale = 57344.0f / 1e-3f;
-  DeviceBuffer<bf16> h_in(to_bf16(h)), da_in(to_bf16(da));
-  DeviceBuffer<float> as(std::vector<float>{a_scale}), ds(std::vector<float>{dh_scale});
-  DeviceBuffer<float> a_amax(std::vector<float>{0.0f}), dh_amax(std::vector<float>{0.0f}), db(N),
-      partial(fp8_cast_partial_floats(M, N));
-  DeviceBuffer<uint8_t> a8(n), a8t(n), dh8(n), dh8t(n);
-
-  gelu_forward_fp8(h_in.get(), M, N, Fp8Out{Fp8Kind::E4M3, as.get(), a8.get(), nullptr, a_amax.get()}, 0);
-  const auto a_codes = a8.download();
-  CHECK(codes_off(a_codes, a_ref, a_scale, Fp8Kind::E4M3) == 0);
-  CHECK(std::fabs(a_amax.download()[0] - amax_of(a_ref)) <= 1e-6 * amax_of(a_ref));
-
-  gelu_backward_fp8(da_in.get(), h_in.get(), M, N, Fp8Out{Fp8Kind::E5M2, ds.get(), dh8.get(), dh8t.get(), dh_amax.get()},
-                    Fp8Out{Fp8Kind::E4M3, as.get(), nullptr, a8t.get()}, db.get(), partial.get(), 0);
-  const auto dh_codes = dh8.download();
-  CHECK(codes_off(dh_codes, dh_ref, dh_scale, Fp8Kind::E5M2) == 0);
-  CHECK(dh8t.download() == transposed(dh_codes, M, N));
-  CHECK(std::fabs(dh_amax.download()[0] - amax_of(dh_ref)) <= 1e-5 * amax_of(dh_ref));
-  CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-4);
-  // fc2's input for its weight gradient: the forward's very codes, transposed.
-  CHECK(a8t.download() == transposed(a_codes, M, N));
+  check_gelu_fp8(round_bf16(random_vec(rng, n, -5, 5)), round_bf16(random_vec(rng, n, -1e-3, 1e-3)), M, N,
+                 448.0f / 5.0f, 57344.0f / 1e-3f);
 }
 
 TEST_CASE("gpu: FP8 transpose of kept codes, over partial tiles") {
@@ -185,30 +192,7 @@ TEST_CASE("gpu: FP8 GELU over every bf16 value below 64 in magnitude") {
   const size_t n = static_cast<size_t>(M) * N;
   for (size_t i = h.size(); i < n; ++i) h.push_back(h[i % 1000]);
   std::shuffle(h.begin(), h.end(), rng);
-  const auto da = round_bf16(random_vec(rng, n, -1e-3, 1e-3));
-  std::vector<double> a_ref(n), dh_ref(n), db_ref(N, 0.0);
-  for (size_t i = 0; i < n; ++i) {
-    a_ref[i] = ref::gelu(h[i]);
-    dh_ref[i] = da[i] * ref::gelu_grad(h[i]);
-    db_ref[i % N] += dh_ref[i];
-  }
-  const float a_scale = 448.0f / 64.0f, dh_scale = 57344.0f / 1.2e-3f;
-  DeviceBuffer<bf16> h_in(to_bf16(h)), da_in(to_bf16(da));
-  DeviceBuffer<float> as(std::vector<float>{a_scale}), ds(std::vector<float>{dh_scale});
-  DeviceBuffer<float> a_amax(std::vector<float>{0.0f}), dh_amax(std::vector<float>{0.0f}), db(N),
-      partial(fp8_cast_partial_floats(M, N));
-  DeviceBuffer<uint8_t> a8(n), a8t(n), dh8(n), dh8t(n);
-  gelu_forward_fp8(h_in.get(), M, N, Fp8Out{Fp8Kind::E4M3, as.get(), a8.get(), nullptr, a_amax.get()}, 0);
-  const auto a_codes = a8.download();
-  CHECK(codes_off(a_codes, a_ref, a_scale, Fp8Kind::E4M3) == 0);
-  CHECK(std::fabs(a_amax.download()[0] - amax_of(a_ref)) <= 1e-6 * amax_of(a_ref));
-  gelu_backward_fp8(da_in.get(), h_in.get(), M, N, Fp8Out{Fp8Kind::E5M2, ds.get(), dh8.get(), dh8t.get(), dh_amax.get()},
-                    Fp8Out{Fp8Kind::E4M3, as.get(), nullptr, a8t.get()}, db.get(), partial.get(), 0);
-  const auto dh_codes = dh8.download();
-  CHECK(codes_off(dh_codes, dh_ref, dh_scale, Fp8Kind::E5M2) == 0);
-  CHECK(dh8t.download() == transposed(dh_codes, M, N));
-  CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-4);
-  CHECK(a8t.download() == transposed(a_codes, M, N));
+  check_gelu_fp8(h, round_bf16(random_vec(rng, n, -1e-3, 1e-3)), M, N, 448.0f / 64.0f, 57344.0f / 1.2e-3f);
 }
 
 TEST_CASE("gpu: FP8 LayerNorm forward") {
