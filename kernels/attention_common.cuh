@@ -1,7 +1,6 @@
 // What the attention kernels share (kernels/attention.cu, kernels/attention_resident.cu): PTX
-// wrappers, the device's limits (queried once per device) and the once-per-device kernel
-// attributes. Everything in an anonymous namespace: each
-// including file gets its own copy (its kernels' instantiations of prepare_kernel among them).
+// wrappers and the device's limits (queried once per device). Everything in an anonymous
+// namespace: each including file gets its own copy.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "engine/check.h"
+#include "kernels/common.cuh"
 
 namespace {
 
@@ -31,24 +31,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-// Kernel attributes are per (kernel, device context): once per instantiation and device, allow
-// the kernel's dynamic shared memory (which exceeds the default 48 KB for larger hd) and prefer
-// the largest shared-memory carveout, so that several blocks share an SM.
-template <auto Kernel>
-void prepare_kernel(int dev, int smem_bytes) {
-  static std::mutex mutex;
-  static std::vector<bool> done;  // by device ordinal
-  std::lock_guard<std::mutex> lock(mutex);
-  if (dev < static_cast<int>(done.size()) && done[dev]) return;
-  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
-                                  cudaFuncAttributePreferredSharedMemoryCarveout,
-                                  cudaSharedmemCarveoutMaxShared));
-  if (dev >= static_cast<int>(done.size())) done.resize(dev + 1, false);
-  done[dev] = true;
 }
 
 struct DeviceInfo {

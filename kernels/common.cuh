@@ -1,8 +1,14 @@
-// Shared device helpers: 16-byte vectors of bf16, warp reductions.
+// Shared device helpers: 16-byte vectors of bf16, warp reductions; and the once-per-device
+// kernel attributes.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "engine/check.h"
 
 using bf16 = __nv_bfloat16;
 
@@ -56,3 +62,24 @@ inline unsigned grid_stride_blocks(size_t n, unsigned threads) {
 }
 
 inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+namespace {  // each including file instantiates its own kernels' copies
+// Kernel attributes are per (kernel, device context): once per instantiation and device, allow
+// the kernel's dynamic shared memory (past the default 48 KB) and set its preferred carveout:
+// by default the largest shared memory, so that several blocks share an SM; a kernel that leans
+// on L1 (LayerNorm's backward re-reads its weights there: 88 -> 94 us at the largest) passes
+// cudaSharedmemCarveoutDefault.
+template <auto Kernel>
+void prepare_kernel(int dev, int smem_bytes, int carveout = cudaSharedmemCarveoutMaxShared) {
+  static std::mutex mutex;
+  static std::vector<bool> done;  // by device ordinal
+  std::lock_guard<std::mutex> lock(mutex);
+  if (dev < static_cast<int>(done.size()) && done[dev]) return;
+  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
+                                  cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
+  if (dev >= static_cast<int>(done.size())) done.resize(dev + 1, false);
+  done[dev] = true;
+}
+}  // namespace

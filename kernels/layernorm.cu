@@ -192,9 +192,11 @@ void dispatch_chunks(int D, F&& f) {
   }
 }
 
+// The row-walking kernels' grids (kSMs above): no more blocks than row groups.
 unsigned forward_blocks(int M, bool fp8) {
   return std::min<unsigned>(grid_for(M, kWarps), forward_blocks_per_sm(fp8) * kSMs);
 }
+unsigned backward_blocks(int M) { return std::min<unsigned>(grid_for(M, kWarps), kBackwardBlocks); }
 }  // namespace
 
 void layernorm_forward(const float* x, int x_row_stride, const float* w, const float* b, bf16* y, float* mean,
@@ -223,10 +225,6 @@ void layernorm_forward_fp8(const float* x, int x_row_stride, const float* w, con
   LAUNCH_CHECK();
 }
 
-namespace {
-unsigned backward_blocks(int M) { return std::min<unsigned>(grid_for(M, kWarps), kBackwardBlocks); }
-}  // namespace
-
 size_t layernorm_partial_floats(int M, int D) { return static_cast<size_t>(backward_blocks(M)) * 2 * D; }
 
 void layernorm_backward(const bf16* dy, const float* x, int row_stride, const float* w, const float* mean,
@@ -237,11 +235,15 @@ void layernorm_backward(const bf16* dy, const float* x, int row_stride, const fl
              is_aligned16(dy) && is_aligned16(g_bf16) && is_aligned16(w) && is_aligned16(partial),
          "layernorm_backward: D must be a multiple of 8 up to 1536, rows 16-byte aligned");
   const unsigned blocks = backward_blocks(M);
-  const size_t smem = static_cast<size_t>(kWarps) * 2 * D * sizeof(float);
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
   dispatch_chunks(D, [&](auto chunks) {
-    auto kernel = layernorm_backward_kernel<decltype(chunks)::value>;  // set each call: it is per device
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<blocks, kWarps * 32, smem, stream>>>(dy, x, row_stride, w, mean, rstd, g, g_bf16, partial, M, D);
+    constexpr int kChunks = decltype(chunks)::value;
+    // The warps' column sums: D floats twice a warp, at most 128 * kChunks columns.
+    prepare_kernel<&layernorm_backward_kernel<kChunks>>(dev, kWarps * 2 * 128 * kChunks * sizeof(float),
+                                                        cudaSharedmemCarveoutDefault);
+    layernorm_backward_kernel<kChunks><<<blocks, kWarps * 32, static_cast<size_t>(kWarps) * 2 * D * sizeof(float),
+                                          stream>>>(dy, x, row_stride, w, mean, rstd, g, g_bf16, partial, M, D);
   });
   LAUNCH_CHECK();
   sum_rows(partial, blocks, D, 2 * D, dw, stream);

@@ -24,26 +24,6 @@
 using bf16 = __nv_bfloat16;
 
 namespace {
-// The median of 20 timed launches after 5, each after a write over `flush` (larger than L2), so
-// that no launch finds its inputs left in L2 by the one before.
-double median_cold_ms(const std::function<void()>& launch, void* flush, size_t flush_bytes) {
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms(20);
-  for (int i = -5; i < 20; ++i) {
-    CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
-    CUDA_CHECK(cudaEventRecord(e0));
-    launch();
-    CUDA_CHECK(cudaEventRecord(e1));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    if (i >= 0) CUDA_CHECK(cudaEventElapsedTime(&ms[i], e0, e1));
-  }
-  CUDA_CHECK(cudaEventDestroy(e0));
-  CUDA_CHECK(cudaEventDestroy(e1));
-  return median(ms);
-}
-
 template <class T>
 T* device_alloc(size_t n) {
   T* p = nullptr;
@@ -94,8 +74,9 @@ int main(int argc, char** argv) {
     float* partial = device_alloc<float>(partial_floats);
     float* db = device_alloc<float>(std::max(3 * D, H));
     float* dw = device_alloc<float>(D);
-    const size_t flush_bytes = 256u << 20;
+    const size_t flush_bytes = 256u << 20;  // larger than L2: no launch finds its inputs left there
     void* flush = device_alloc<uint8_t>(flush_bytes);
+    auto flush_l2 = [&] { CUDA_CHECK(cudaMemsetAsync(flush, 0, flush_bytes)); };
 
     fill_normal(x32, MD, 7, 1, 0, 1, -1e30f, 1e30f, 0);
     fill_normal(g32, MD, 7, 2, 0, 1, -1e30f, 1e30f, 0);
@@ -140,15 +121,15 @@ int main(int argc, char** argv) {
 
     // The card's copy rate: a device-to-device copy as large as the largest tensor here.
     const size_t copy_bytes = widest * sizeof(bf16);
-    const double copy_ms = median_cold_ms(
-        [&] { CUDA_CHECK(cudaMemcpyAsync(in_b, in_a, copy_bytes, cudaMemcpyDeviceToDevice, 0)); }, flush, flush_bytes);
+    const double copy_ms = median_event_ms(
+        [&] { CUDA_CHECK(cudaMemcpyAsync(in_b, in_a, copy_bytes, cudaMemcpyDeviceToDevice, 0)); }, flush_l2);
     const double copy_rate = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;
     std::printf("M %d, D %d, H %d, %d blocks; copy of %.0f MB: %.3f ms, %.0f GB/s (read + write)\n\n", M, D, H, L,
                 copy_bytes / 1e6, copy_ms, copy_rate);
     std::printf("%-28s %9s %9s %8s %7s %7s %9s\n", "kernel", "us", "MB", "GB/s", "of copy", "calls", "ms a step");
     double step_ms = 0;
     for (const Kernel& k : kernels) {
-      const double ms = median_cold_ms(k.launch, flush, flush_bytes), rate = k.bytes / (ms * 1e-3) / 1e9;
+      const double ms = median_event_ms(k.launch, flush_l2), rate = k.bytes / (ms * 1e-3) / 1e9;
       const int calls = k.per_block * L;
       step_ms += ms * calls;
       std::printf("%-28s %9.1f %9.1f %8.0f %7.2f %7d %9.2f\n", k.name.c_str(), ms * 1e3, k.bytes / 1e6, rate,
