@@ -3,6 +3,7 @@
 #include "kernels/common.cuh"
 #include "kernels/elementwise.h"
 #include "kernels/fp8_tile.cuh"
+#include "kernels/normal_cdf.h"
 #include "kernels/preload.h"
 #include "kernels/reduce.h"
 
@@ -11,12 +12,11 @@ constexpr int kThreads = 256;
 constexpr int kBackwardRows = 32;      // rows of one thread in gelu_backward, and of one partial row
 constexpr int kBackwardThreads = 128;  // 5 full blocks across ViT-H's 5120 columns (640 x 8)
 
-__device__ __forceinline__ float normal_cdf(float x) { return 0.5f * (1.0f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float gelu(float x) { return x * normal_cdf(x); }
-// gelu'(x) = cdf(x) + x pdf(x), given cdf(x): the backward shares one erf between the
-// derivative and the recomputed output (the pass is bound by that arithmetic, not by memory).
-__device__ __forceinline__ float gelu_grad(float x, float cdf) {
-  return cdf + x * 0.39894228040143268f * __expf(-0.5f * x * x);
+__device__ __forceinline__ float gelu(float x) { return x * normal_cdf(x).cdf; }
+// gelu'(x) = Phi(x) + x phi(x): the backward shares one normal_cdf between the derivative and
+// the recomputed output.
+__device__ __forceinline__ float gelu_grad(float x, const NormalCdf& n) {
+  return n.cdf + x * 0.39894228040143268f * n.gauss;
 }
 
 __global__ void gelu_forward_kernel(const Bf16x8* __restrict__ h, Bf16x8* __restrict__ a, size_t n8) {
@@ -59,10 +59,10 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
       hv[k].to_float(x);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float cdf = normal_cdf(x[j]);
-        d[j] *= gelu_grad(x[j], cdf);
+        const NormalCdf n = normal_cdf(x[j]);
+        d[j] *= gelu_grad(x[j], n);
         sum[j] += d[j];
-        x[j] *= cdf;  // gelu(x)
+        x[j] *= n.cdf;  // gelu(x)
       }
       dh[i] = Bf16x8::from_float(d);
       if (a) a[i] = Bf16x8::from_float(x);
@@ -122,10 +122,10 @@ __global__ void __launch_bounds__(fp8tile::kThreads, 4)  // 64 registers: 4 bloc
     hv[k].to_float(x);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float cdf = normal_cdf(x[j]);
-      d[j] *= gelu_grad(x[j], cdf);
+      const NormalCdf n = normal_cdf(x[j]);
+      d[j] *= gelu_grad(x[j], n);
       sum[j] += d[j];
-      x[j] *= cdf;  // gelu(x), as GeluSource computes it: one erf for both
+      x[j] *= n.cdf;  // gelu(x), as GeluSource computes it: one normal_cdf for both
     }
     const uint2 dc = qd.pack8(d);
     if (dh_row_major) *reinterpret_cast<uint2*>(dh_out.out + i) = dc;

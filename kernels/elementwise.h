@@ -1,4 +1,5 @@
-// Elementwise kernels on bf16 tensors: exact (erf) GELU and its gradient, casts.
+// Elementwise kernels on bf16 tensors: exact GELU (x Phi(x), not the tanh approximation) and its
+// gradient, casts.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -48,6 +50,19 @@ inline std::vector<double> random_vec(std::mt19937_64& rng, size_t n, double lo 
 inline std::vector<double> round_bf16(std::vector<double> v) {
   for (double& x : v) x = static_cast<double>(__bfloat162float(__float2bfloat16_rn(static_cast<float>(x))));
   return v;
+}
+// Every bf16 value below 2^e in magnitude, both signs: zero, the subnormals and every normal
+// value of exponent below e (e <= 128), in order of their bit patterns.
+inline std::vector<double> every_bf16_below_pow2(int e) {
+  std::vector<double> out;
+  for (uint32_t sign = 0; sign < 2; ++sign)
+    for (uint32_t bits = 0; bits < static_cast<uint32_t>(e + 127) << 7; ++bits) {
+      const uint32_t f = sign << 31 | bits << 16;
+      float v;
+      std::memcpy(&v, &f, sizeof v);
+      out.push_back(v);
+    }
+  return out;
 }
 inline std::vector<double> round_f32(std::vector<double> v) {
   for (double& x : v) x = static_cast<double>(static_cast<float>(x));

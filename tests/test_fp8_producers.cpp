@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -175,19 +174,12 @@ TEST_CASE("gpu: FP8 transpose of kept codes, over partial tiles") {
 }
 
 // Every bf16 input below 64 in magnitude (zero and the subnormals included), through the FP8
-// GELU forward and backward, against the oracle: the whole range the erf polynomial's two
-// branches and the exponential's underflow meet in training, not a random sample of it.
+// GELU forward and backward, against the oracle: the whole range normal_cdf's polynomial and the
+// exponential's underflow meet in training, not a random sample of it.
 TEST_CASE("gpu: FP8 GELU over every bf16 value below 64 in magnitude") {
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
-  std::vector<double> h;
-  for (unsigned sign = 0; sign < 2; ++sign)
-    for (unsigned bits = 0; bits < (133u << 7); ++bits) {  // exponent fields 0..132: |x| < 64
-      const uint32_t f = (sign << 31 | bits << 16);
-      float v;
-      std::memcpy(&v, &f, sizeof v);
-      h.push_back(v);
-    }
+  std::vector<double> h = every_bf16_below_pow2(6);
   const int N = 128, M = static_cast<int>((h.size() + 8 * N - 1) / (8 * N) * 8);  // rows a multiple of 8
   const size_t n = static_cast<size_t>(M) * N;
   for (size_t i = h.size(); i < n; ++i) h.push_back(h[i % 1000]);

@@ -2,6 +2,8 @@
 // outputs poisoned first.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -10,6 +12,7 @@
 #include "kernels/embed.h"
 #include "kernels/layernorm.h"
 #include "kernels/loss.h"
+#include "kernels/normal_cdf.h"
 #include "kernels/optimizer.h"
 #include "kernels/preload.h"
 #include "kernels/random.h"
@@ -118,6 +121,75 @@ TEST_CASE("gpu: GELU forward, and backward with recompute and bias gradient, aga
   gelu_backward(da_in.get(), dh_in.get(), da_in.get(), a.get(), db.get(), partial.get(), M, N, 0);  // in place
   CHECK(rel_error(to_f64(da_in.download()), dh_ref) < kBf16OutTol);
   CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-5);
+}
+
+// The formula of kernels/normal_cdf.h (host arithmetic: exact reciprocal and exp2, where the
+// GPU's add ~1 ulp each; the GELU tests below check the kernels) over every bf16 value below 64
+// in magnitude, against the exact CDF: the bounds tools/fit_normal_cdf.py reports.
+TEST_CASE("normal_cdf: Phi(x) and exp(-x^2 / 2) over every bf16 value below 64 in magnitude") {
+  double near = 0, tail = 0, upper = 0, gauss = 0;  // largest relative errors
+  for (const double x : every_bf16_below_pow2(6)) {
+    const NormalCdf n = normal_cdf(static_cast<float>(x));
+    const double phi = ref::normal_cdf(x), g = std::exp(-0.5 * x * x);
+    const double err = std::fabs(n.cdf - phi) / phi;
+    if (std::fabs(x) < 4) near = std::max(near, err);
+    else if (x > 0) upper = std::max(upper, err);
+    else if (phi > 1e-37) tail = std::max(tail, err);
+    else REQUIRE(n.cdf <= 1e-37);
+    if (g > 1e-37) gauss = std::max(gauss, std::fabs(n.gauss - g) / g);
+  }
+  MESSAGE("normal_cdf's largest relative errors: |x| < 4 ", near, ", x <= -4 ", tail, ", x >= 4 ", upper,
+          "; exp(-x^2 / 2) ", gauss);
+  CHECK(near < 6e-7);
+  CHECK(tail < 4e-6);
+  CHECK(upper < 1e-7);
+  CHECK(gauss < 5e-6);
+  CHECK(normal_cdf(0.0f).cdf == 0.5f);
+  CHECK(normal_cdf(-0.0f).cdf == 0.5f);
+  CHECK(normal_cdf(INFINITY).cdf == 1.0f);
+  CHECK(normal_cdf(-INFINITY).cdf == 0.0f);
+  CHECK(std::isnan(normal_cdf(NAN).cdf));
+}
+
+namespace {
+// got is the bf16 rounding of some value within slack of truth: rounding is monotone, so it lies
+// between the roundings of truth - slack and truth + slack.
+bool within_bf16_rounding(double got, double truth, double slack) {
+  auto round = [](double v) { return static_cast<double>(__bfloat162float(__float2bfloat16_rn(static_cast<float>(v)))); };
+  return round(truth - slack) <= got && got <= round(truth + slack);
+}
+}  // namespace
+
+// Value by value, not a norm: every bf16 input below 64 in magnitude through the bf16 GELU
+// kernels; each output the bf16 rounding of the truth up to fp32's errors (normal_cdf's relative
+// 4e-6 at most, its underflow past |x| = 13, the products' roundings).
+TEST_CASE("gpu: GELU over every bf16 value below 64 in magnitude, value by value") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  auto h = every_bf16_below_pow2(6);
+  std::shuffle(h.begin(), h.end(), rng);
+  const int N = 128, M = static_cast<int>(h.size() / N);
+  REQUIRE(static_cast<size_t>(M) * N == h.size());
+  const auto da = round_bf16(random_vec(rng, h.size()));
+  DeviceBuffer<bf16> h_in(to_bf16(h)), da_in(to_bf16(da)), a(h.size()), dh(h.size());
+  DeviceBuffer<float> db(N), partial(gelu_backward_partial_floats(M, N));
+  gelu_forward(h_in.get(), a.get(), h.size(), 0);
+  const auto a_fwd = to_f64(a.download());
+  a.poison();
+  gelu_backward(da_in.get(), h_in.get(), dh.get(), a.get(), db.get(), partial.get(), M, N, 0);
+  const auto a_bwd = to_f64(a.download()), dh_got = to_f64(dh.download());
+  int off_forward = 0, off_recompute = 0, off_gradient = 0;
+  for (size_t i = 0; i < h.size(); ++i) {
+    const double x = h[i], phi = ref::normal_cdf(x), x_pdf = std::fabs(x) * 0.3989422804014327 * std::exp(-0.5 * x * x);
+    const double a_slack = 5e-6 * std::fabs(ref::gelu(x)) + 1e-36;
+    off_forward += !within_bf16_rounding(a_fwd[i], ref::gelu(x), a_slack);
+    off_recompute += a_bwd[i] != a_fwd[i];
+    // gelu' = Phi + x phi crosses zero near x = -0.75: its error is relative to the terms' size.
+    off_gradient += !within_bf16_rounding(dh_got[i], da[i] * ref::gelu_grad(x), 5e-6 * std::fabs(da[i]) * (phi + x_pdf) + 1e-36);
+  }
+  CHECK(off_forward == 0);
+  CHECK(off_recompute == 0);
+  CHECK(off_gradient == 0);
 }
 
 TEST_CASE("gpu: column sums") {

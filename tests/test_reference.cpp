@@ -394,6 +394,8 @@ TEST_CASE("reference: gelu and its derivative") {
   CHECK(ref::gelu(2.0) == doctest::Approx(2 * 0.977249868051821).epsilon(1e-14));
   CHECK(ref::gelu(0.0) == 0.0);
   CHECK(ref::gelu_grad(0.0) == doctest::Approx(0.5).epsilon(1e-15));
+  // The lower tail keeps its digits: Phi(-10) = 7.619853024160526e-24.
+  CHECK(ref::gelu(-10.0) == doctest::Approx(-7.619853024160526e-23).epsilon(1e-13));
   Vec x = {-4.0, -2.5, -1.0, -0.3, 0.0, 0.2, 0.7, 1.5, 3.0, 6.0}, g(x.size());
   for (size_t i = 0; i < x.size(); ++i) g[i] = ref::gelu_grad(x[i]);
   for (size_t i = 0; i < x.size(); ++i) {

@@ -260,11 +260,15 @@ void layernorm_backward(int M, int D, const Vec& x, const double* w, const Vec& 
 constexpr double kSqrtHalf = 0.70710678118654752440;    // 1 / sqrt(2)
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
 
-double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x * kSqrtHalf)); }
+// Phi(x) = (1 + erf(x / sqrt 2)) / 2, written with erfc: the same function, without the
+// cancellation that leaves 1 + erf no digits as x goes below -8 (the kernels are exact there).
+double normal_cdf(double x) { return 0.5 * std::erfc(-x * kSqrtHalf); }
+
+double gelu(double x) { return x * normal_cdf(x); }
 
 double gelu_grad(double x) {
   // Phi(x) + x * phi(x), with Phi, phi the standard normal CDF and density.
-  return 0.5 * (1.0 + std::erf(x * kSqrtHalf)) + x * kInvSqrt2Pi * std::exp(-0.5 * x * x);
+  return normal_cdf(x) + x * kInvSqrt2Pi * std::exp(-0.5 * x * x);
 }
 
 // ---------------------------------------------------------------------------------------------

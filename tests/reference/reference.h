@@ -32,8 +32,9 @@ void layernorm_forward(int M, int D, const Vec& x, const double* w, const double
 void layernorm_backward(int M, int D, const Vec& x, const double* w, const Vec& mean,
                         const Vec& rstd, const Vec& dy, Vec* dx, double* dw, double* db);
 
-double gelu(double x);       // exact: 0.5 x (1 + erf(x / sqrt 2))
-double gelu_grad(double x);  // d gelu / dx
+double normal_cdf(double x);  // Phi(x), the standard normal CDF
+double gelu(double x);        // exact: x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))
+double gelu_grad(double x);   // d gelu / dx
 
 // Multi-head self-attention core on timm's qkv layout: qkv [B*T, 3*D], columns [0, D) Q,
 // [D, 2D) K, [2D, 3D) V, head h at columns h*hd .. h*hd+hd-1 within each; no mask, scale
