@@ -73,23 +73,31 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
   out[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
 }
 
-// FP8 forward: the GELU output goes straight to FP8 (fc2's input), never to bf16.
-struct GeluSource {
-  const bf16* h;
-  int cols;
-  using Raw = Bf16x8;
-  __device__ Raw fetch(int r, int c) const { return *reinterpret_cast<const Bf16x8*>(h + static_cast<size_t>(r) * cols + c); }
-  __device__ void convert(const Raw& raw, int, int, float* x) const {
-    raw.to_float(x);
+// FP8 forward: the GELU output goes straight to FP8 (fc2's input), never to bf16. Row-major
+// only (the backward recomputes the transposed copy), so a flat grid-stride pass like the bf16
+// one: the tiled producer (fp8_tile.cuh), which a transposed copy needs, reached 0.55 of the
+// copy rate here (BENCHMARKS.md 36).
+__global__ void __launch_bounds__(fp8tile::kThreads)
+    gelu_forward_fp8_kernel(const Bf16x8* __restrict__ h, size_t n8, Fp8Out o) {
+  __shared__ fp8tile::BlockScratch scratch;
+  fp8tile::Quantizer<__NV_E4M3> q(o);
+  uint2* __restrict__ out = q.write ? reinterpret_cast<uint2*>(o.out) : nullptr;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n8; i += size_t(gridDim.x) * blockDim.x) {
+    float x[8];
+    h[i].to_float(x);
 #pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = gelu(x[j]);
+    const uint2 codes = q.pack8(x);
+    if (out) out[i] = codes;
   }
-};
+  fp8tile::block_record(q, o, scratch);
+}
 
 // FP8 backward over a 64 x 128 tile (fp8_tile.cuh): dh = da * gelu'(h) to FP8 E5M2, both copies
 // (fc1's output gradient), with its column sums (fc1's bias gradient); and a = gelu(h)
 // recomputed to FP8 E4M3, transposed (fc2's input for its weight gradient: the forward kept
-// none). a is computed as in GeluSource, so with the forward's scale it gets the same codes.
+// none). a is computed as in gelu_forward_fp8_kernel, so with the forward's scale it gets the same
+// codes.
 __global__ void __launch_bounds__(fp8tile::kThreads, 4)  // 64 registers: 4 blocks an SM, no spill
     gelu_backward_fp8_kernel(const bf16* __restrict__ da, const bf16* __restrict__ h, int rows, int cols,
                              Fp8Out dh_out, Fp8Out a_out, float* __restrict__ partial) {
@@ -125,7 +133,7 @@ __global__ void __launch_bounds__(fp8tile::kThreads, 4)  // 64 registers: 4 bloc
       const NormalCdf n = normal_cdf(x[j]);
       d[j] *= gelu_grad(x[j], n);
       sum[j] += d[j];
-      x[j] *= n.cdf;  // gelu(x), as GeluSource computes it: one normal_cdf for both
+      x[j] *= n.cdf;  // gelu(x), as the forward computes it: one normal_cdf for both
     }
     const uint2 dc = qd.pack8(d);
     if (dh_row_major) *reinterpret_cast<uint2*>(dh_out.out + i) = dc;
@@ -188,8 +196,11 @@ void gelu_backward(const bf16* da, const bf16* h, bf16* dh, bf16* a, float* db, 
 
 void gelu_forward_fp8(const bf16* h, int M, int N, const Fp8Out& o, cudaStream_t stream) {
   NvtxRange range("gelu_forward_fp8");
-  ENSURE(fp8tile::valid(o, M, N) && is_aligned16(h), "gelu_forward_fp8: M, N % 8 and alignment");
-  fp8tile::launch_tile(GeluSource{h, N}, M, N, o, nullptr, stream);
+  ENSURE(M > 0 && N % 8 == 0 && o.kind == Fp8Kind::E4M3 && !o.out_t && is_aligned16(h) && fp8tile::aligned8(o.out),
+         "gelu_forward_fp8: N % 8, alignment, and an E4M3 row-major output");
+  const size_t n8 = static_cast<size_t>(M) * N / 8;
+  gelu_forward_fp8_kernel<<<grid_stride_blocks(n8, fp8tile::kThreads), fp8tile::kThreads, 0, stream>>>(
+      reinterpret_cast<const Bf16x8*>(h), n8, o);
   LAUNCH_CHECK();
 }
 

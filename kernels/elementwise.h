@@ -17,7 +17,8 @@ void gelu_forward(const __nv_bfloat16* h, __nv_bfloat16* a, size_t n, cudaStream
 void gelu_backward(const __nv_bfloat16* da, const __nv_bfloat16* h, __nv_bfloat16* dh,
                    __nv_bfloat16* a, float* db, float* partial, int M, int N, cudaStream_t stream);
 size_t gelu_backward_partial_floats(int M, int N);
-// FP8 (fp8.h): a = gelu(h) [M, N] straight to FP8 through o (fc2's input in the forward).
+// FP8 (fp8.h): a = gelu(h) [M, N] (N % 8 == 0) straight to FP8 E4M3 through o, row-major only
+// (fc2's input in the forward).
 void gelu_forward_fp8(const __nv_bfloat16* h, int M, int N, const Fp8Out& o, cudaStream_t stream);
 // FP8 backward, one pass: dh = da * gelu'(h) to FP8 E5M2 through dh_out (fc1's output gradient),
 // db[N] = its column sums (fc1's bias gradient; partial: fp8_cast_partial_floats(M, N)); and
