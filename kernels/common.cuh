@@ -12,22 +12,27 @@
 
 using bf16 = __nv_bfloat16;
 
-// Eight bf16 values moved as one 16-byte access.
+// Eight bf16 values moved as one 16-byte access: held as a uint4, which the compiler copies with
+// one vector load or store. (As four __nv_bfloat162 members, every copy from global memory became
+// four 4-byte loads: four times the load instructions in the kernels that stream them.)
 struct alignas(16) Bf16x8 {
-  __nv_bfloat162 h[4];
+  uint4 u;  // value 2i in u's word i's low half, value 2i + 1 in its high half
   __device__ void to_float(float* f) const {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 v = __bfloat1622float2(h[i]);
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
+      f[2 * i] = __uint_as_float(w[i] << 16);  // a bf16 is a float's upper half
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
   }
   __device__ static Bf16x8 from_float(const float* f) {
-    Bf16x8 r;
+    uint32_t w[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) r.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    return r;
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+      w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    return Bf16x8{make_uint4(w[0], w[1], w[2], w[3])};
   }
 };
 

@@ -4,11 +4,12 @@
 #
 # Usage: tools/bench.sh [extra vit_train arguments, e.g. --timing]
 # Environment: STEPS (timed steps, default 30), WARMUP (untimed steps first, default 10),
-#              PRECISIONS (engine precisions, default "bf16 fp8"), OUT (log folder, default /tmp).
+#              PRECISIONS (engine precisions, default "bf16 fp8"), OUT (log folder, default /tmp),
+#              COMPILE=1 (also PyTorch under torch.compile: compiles in its warm-up, ~1 minute more).
 # Builds nothing: ./vit_train must already be built. Runs ViT-H/16 at batch 64 through
 # ./vit_train and tools/pytorch_baseline.py with the same step counts, keeps each full log in
 # $OUT/bench_engine_<precision>.log and $OUT/bench_pytorch.log, and prints a table made from
-# their RESULT lines.
+# their RESULT lines (and $OUT/bench_pytorch_compile.log with COMPILE=1).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ PRECISIONS=${PRECISIONS:-bf16 fp8}
 LOG_DIR=${OUT:-/tmp}
 mkdir -p "$LOG_DIR"
 PYTORCH_LOG=$LOG_DIR/bench_pytorch.log
+COMPILE_LOG=$LOG_DIR/bench_pytorch_compile.log
 
 # vit_train counts its warm-up inside --steps; the baseline times --steps after --warmup.
 for p in $PRECISIONS; do
@@ -27,6 +29,10 @@ for p in $PRECISIONS; do
 done
 echo "== pytorch: python3 tools/pytorch_baseline.py --batch 64 --steps $STEPS --warmup $WARMUP"
 python3 tools/pytorch_baseline.py --batch 64 --steps "$STEPS" --warmup "$WARMUP" 2>&1 | tee "$PYTORCH_LOG"
+if [ "${COMPILE:-0}" = 1 ]; then
+  echo "== pytorch: python3 tools/pytorch_baseline.py --batch 64 --steps $STEPS --warmup $WARMUP --compile"
+  python3 tools/pytorch_baseline.py --batch 64 --steps "$STEPS" --warmup "$WARMUP" --compile 2>&1 | tee "$COMPILE_LOG"
+fi
 
 # result_field LOG NAME KEY: the value of KEY=... on the last "RESULT NAME ..." line of LOG.
 result_field() {
@@ -42,17 +48,37 @@ result_field() {
 }
 
 printf "\n== ViT-H/16, batch 64, median of %d steps after %d warm-up\n" "$STEPS" "$WARMUP"
-printf "%-16s %10s %10s %10s %8s %10s %12s\n" "" "step ms" "mean ms" "images/s" "TFLOP/s" "memory GiB" "vs pytorch"
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", a / b }'; }
 p_ms=$(result_field "$PYTORCH_LOG" pytorch_eager step_ms)
+compiled=0 c_ms=
+if [ "${COMPILE:-0}" = 1 ]; then compiled=1 c_ms=$(result_field "$COMPILE_LOG" pytorch_compile step_ms); fi
+# against_compiled MS: the ratio column to the compiled baseline, when it ran.
+against_compiled() { if [ $compiled = 1 ]; then printf " %12.3f" "$(ratio "$1" "$c_ms")"; fi; }
+printf "%-16s %10s %10s %10s %8s %10s %12s" "" "step ms" "mean ms" "images/s" "TFLOP/s" "memory GiB" "vs pytorch"
+if [ $compiled = 1 ]; then printf " %12s" "vs compiled"; fi
+printf "\n"
 for p in $PRECISIONS; do
   log=$LOG_DIR/bench_engine_$p.log
   ms=$(result_field "$log" engine step_ms)
-  printf "%-16s %10.2f %10.2f %10.1f %8.1f %10.2f %12.3f\n" "engine $p" "$ms" "$(result_field "$log" engine mean_ms)" \
+  printf "%-16s %10.2f %10.2f %10.1f %8.1f %10.2f %12.3f" "engine $p" "$ms" "$(result_field "$log" engine mean_ms)" \
     "$(result_field "$log" engine img_s)" "$(result_field "$log" engine tflops)" \
-    "$(result_field "$log" engine peak_mem_gib)" "$(awk -v a="$ms" -v b="$p_ms" 'BEGIN { print a / b }')"
-  echo "BENCH precision=$p engine_step_ms=$ms pytorch_step_ms=$p_ms step_ratio=$(awk -v a="$ms" -v b="$p_ms" 'BEGIN { printf "%.3f", a / b }')"
+    "$(result_field "$log" engine peak_mem_gib)" "$(ratio "$ms" "$p_ms")"
+  against_compiled "$ms"
+  printf "\n"
+  bench="BENCH precision=$p engine_step_ms=$ms pytorch_step_ms=$p_ms step_ratio=$(ratio "$ms" "$p_ms")"
+  if [ $compiled = 1 ]; then bench="$bench compiled_step_ms=$c_ms compiled_ratio=$(ratio "$ms" "$c_ms")"; fi
+  echo "$bench"
 done
-printf "%-16s %10.2f %10.2f %10.1f %8.1f %10.2f %12s\n" "pytorch eager" "$p_ms" \
-  "$(result_field "$PYTORCH_LOG" pytorch_eager mean_ms)" "$(result_field "$PYTORCH_LOG" pytorch_eager img_s)" \
-  "$(result_field "$PYTORCH_LOG" pytorch_eager tflops)" "$(result_field "$PYTORCH_LOG" pytorch_eager peak_reserved_gib)" "1.000"
+# pytorch_row LOG NAME LABEL: a PyTorch baseline's row.
+pytorch_row() {
+  local ms
+  ms=$(result_field "$1" "$2" step_ms)
+  printf "%-16s %10.2f %10.2f %10.1f %8.1f %10.2f %12.3f" "$3" "$ms" "$(result_field "$1" "$2" mean_ms)" \
+    "$(result_field "$1" "$2" img_s)" "$(result_field "$1" "$2" tflops)" "$(result_field "$1" "$2" peak_reserved_gib)" \
+    "$(ratio "$ms" "$p_ms")"
+  against_compiled "$ms"
+  printf "\n"
+}
+pytorch_row "$PYTORCH_LOG" pytorch_eager "pytorch eager"
+if [ $compiled = 1 ]; then pytorch_row "$COMPILE_LOG" pytorch_compile "pytorch compile"; fi
 echo "(engine memory: device memory in use; pytorch: max_memory_reserved)"

@@ -2,7 +2,8 @@
 # The whole GPU round in one call on the device machine (binaries built beforehand):
 #   1. the GPU test tier (./vit_tests)
 #   2. the reference tier on a small config: engine vs timm (tools/timm_reference.py)
-#   3. the speed round: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh), then the
+#   3. the speed round: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh; COMPILE=1 in
+#      the environment: also PyTorch under torch.compile), then the
 #      engine's per-phase breakdown (--timing)
 #   4. the reference tier on ViT-H itself
 # and, on request, fashion (the Fashion-MNIST recipe of the FP8 issue, once per entry of
