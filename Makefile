@@ -59,7 +59,8 @@ $(TRACED_OBJ): kernels/attention_resident.cu
 tma_rate: $(BUILD)/tools/tma_rate.o $(BUILD)/engine/check.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
-# The memory-bound kernels' rates (LayerNorm, GELU, FP8 casts) at one ViT's FP8 shapes.
+# The memory-bound kernels' rates (LayerNorm, GELU, FP8 casts) at one ViT's FP8 shapes, and the
+# bf16 step's GELU kernels.
 memory_rate: $(LIB_OBJ) $(BUILD)/tools/memory_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 

@@ -30,7 +30,7 @@ struct alignas(16) Bf16x8 {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-      w[i] = *reinterpret_cast<const uint32_t*>(&h);
+      w[i] = __bfloat16_as_ushort(h.x) | static_cast<uint32_t>(__bfloat16_as_ushort(h.y)) << 16;
     }
     return Bf16x8{make_uint4(w[0], w[1], w[2], w[3])};
   }

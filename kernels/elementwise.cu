@@ -196,7 +196,7 @@ void gelu_backward(const bf16* da, const bf16* h, bf16* dh, bf16* a, float* db, 
 
 void gelu_forward_fp8(const bf16* h, int M, int N, const Fp8Out& o, cudaStream_t stream) {
   NvtxRange range("gelu_forward_fp8");
-  ENSURE(M > 0 && N % 8 == 0 && o.kind == Fp8Kind::E4M3 && !o.out_t && is_aligned16(h) && fp8tile::aligned8(o.out),
+  ENSURE(M > 0 && N > 0 && N % 8 == 0 && o.kind == Fp8Kind::E4M3 && !o.out_t && is_aligned16(h) && fp8tile::aligned8(o.out),
          "gelu_forward_fp8: N % 8, alignment, and an E4M3 row-major output");
   const size_t n8 = static_cast<size_t>(M) * N / 8;
   gelu_forward_fp8_kernel<<<grid_stride_blocks(n8, fp8tile::kThreads), fp8tile::kThreads, 0, stream>>>(

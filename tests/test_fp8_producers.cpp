@@ -86,6 +86,38 @@ void check_gelu_fp8(const std::vector<double>& h, const std::vector<double>& da,
   CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-4);
   // fc2's input for its weight gradient: the forward's very codes, transposed.
   CHECK(a8t.download() == transposed(a_codes, M, N));
+
+  // With statistics (--fp8-stats), at a scale that saturates the largest values: every value
+  // seen, the saturated counted, and the underflowed (nonzero values whose code is zero).
+  const float big_scale = a_scale * 1.3f;
+  DeviceBuffer<float> bs(std::vector<float>{big_scale});
+  DeviceBuffer<unsigned long long> stats(std::vector<unsigned long long>{0, 0, 0});
+  a8.poison();
+  gelu_forward_fp8(h_in.get(), M, N, Fp8Out{Fp8Kind::E4M3, bs.get(), a8.get(), nullptr, a_amax.get(), stats.get()}, 0);
+  const auto big_codes = a8.download();
+  CHECK(codes_off(big_codes, a_ref, big_scale, Fp8Kind::E4M3) == 0);
+  // An underflow is a nonzero value with a zero code; past |h| = 13 the GPU's GELU may itself be
+  // zero (normal_cdf.h), so those values may count or not.
+  unsigned long long under = 0, maybe_under = 0, saturated = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const bool zero_code = a_ref[i] != 0 && (big_codes[i] & 0x7f) == 0;
+    under += zero_code && std::fabs(h[i]) < 13;
+    maybe_under += zero_code && std::fabs(h[i]) >= 13;
+    saturated += std::fabs(a_ref[i] * big_scale) > 448;
+  }
+  const auto st = stats.download();
+  CHECK(st[0] >= under);
+  CHECK(st[0] <= under + maybe_under);
+  CHECK(st[1] == saturated);
+  CHECK(saturated > 0);
+  CHECK(st[2] == n);
+  // The current recipe's first pass: no scale, nothing written, nothing counted, the amax measured.
+  a8.poison();
+  a_amax.upload(std::vector<float>{0.0f});
+  gelu_forward_fp8(h_in.get(), M, N, Fp8Out{Fp8Kind::E4M3, nullptr, a8.get(), nullptr, a_amax.get(), stats.get()}, 0);
+  CHECK(std::fabs(a_amax.download()[0] - amax_of(a_ref)) <= 1e-6 * amax_of(a_ref));
+  for (uint8_t c : a8.download()) REQUIRE(c == 0xFF);
+  CHECK(stats.download()[2] == n);
 }
 
 }  // namespace
@@ -156,6 +188,24 @@ TEST_CASE("gpu: FP8 GELU forward, and the backward's gradient, bias sums and rec
   const size_t n = static_cast<size_t>(M) * N;
   check_gelu_fp8(round_bf16(random_vec(rng, n, -5, 5)), round_bf16(random_vec(rng, n, -1e-3, 1e-3)), M, N,
                  448.0f / 5.0f, 57344.0f / 1e-3f);
+}
+
+// More values than the FP8 GELU forward's grid covers in one pass (8192 blocks x 256 threads x
+// 8), so that its grid-stride loop goes round again: the backward still recomputes its codes.
+TEST_CASE("gpu: FP8 GELU forward past one pass of its grid, against the backward's recompute") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const int M = 4104, N = 4104;
+  const size_t n = static_cast<size_t>(M) * N;
+  REQUIRE(n > size_t(8192) * 256 * 8);
+  DeviceBuffer<bf16> h(to_bf16(random_vec(rng, n, -5, 5))), da(to_bf16(random_vec(rng, n, -1e-3, 1e-3)));
+  DeviceBuffer<float> as(std::vector<float>{448.0f / 5.0f}), ds(std::vector<float>{57344.0f / 1e-3f}), db(N),
+      partial(fp8_cast_partial_floats(M, N));
+  DeviceBuffer<uint8_t> a8(n), a8t(n), dh8(n);
+  gelu_forward_fp8(h.get(), M, N, Fp8Out{Fp8Kind::E4M3, as.get(), a8.get(), nullptr, nullptr}, 0);
+  gelu_backward_fp8(da.get(), h.get(), M, N, Fp8Out{Fp8Kind::E5M2, ds.get(), dh8.get(), nullptr, nullptr},
+                    Fp8Out{Fp8Kind::E4M3, as.get(), nullptr, a8t.get()}, db.get(), partial.get(), 0);
+  CHECK(a8t.download() == transposed(a8.download(), M, N));
 }
 
 TEST_CASE("gpu: FP8 transpose of kept codes, over partial tiles") {

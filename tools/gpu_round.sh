@@ -3,8 +3,8 @@
 #   1. the GPU test tier (./vit_tests)
 #   2. the reference tier on a small config: engine vs timm (tools/timm_reference.py)
 #   3. the speed round: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh; COMPILE=1 in
-#      the environment: also PyTorch under torch.compile), then the
-#      engine's per-phase breakdown (--timing)
+#      the environment: also PyTorch under torch.compile), then the engine's per-phase breakdown
+#      (--timing)
 #   4. the reference tier on ViT-H itself
 # and, on request, fashion (the Fashion-MNIST recipe of the FP8 issue, once per entry of
 # $FASHION_RUNS, PRECISION:SEED with PRECISION bf16, fp8 or fp8-current, default "bf16:0 fp8:0";
