@@ -1,5 +1,6 @@
 // What the attention kernels share (kernels/attention.cu, kernels/attention_resident.cu): PTX
-// wrappers and the device's limits (queried once per device). Everything in an anonymous
+// wrappers and the device's limits (queried once per device); exp2_approx (approx_math.h) and
+// pack_bf16x2 (common.cuh) come from the shared headers. Everything in an anonymous
 // namespace: each including file gets its own copy.
 #pragma once
 #include <cuda_bf16.h>
@@ -10,27 +11,13 @@
 #include <vector>
 
 #include "engine/check.h"
+#include "kernels/approx_math.h"
 #include "kernels/common.cuh"
 
 namespace {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// bf16x2 of (lo, hi), round to nearest: lo in the lower half (the lower index in memory and in
-// fragments).
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-// 2^x; ex2.approx maps -inf to +0, which the masking relies on.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 struct DeviceInfo {

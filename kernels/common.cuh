@@ -1,5 +1,5 @@
-// Shared device helpers: 16-byte vectors of bf16, warp reductions; and the once-per-device
-// kernel attributes.
+// Shared device helpers: bf16 packing, 16-byte vectors of bf16, warp reductions; and the
+// once-per-device kernel attributes.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -11,6 +11,14 @@
 #include "engine/check.h"
 
 using bf16 = __nv_bfloat16;
+
+// bf16x2 of (lo, hi), round to nearest: lo in the lower half (the lower index in memory and in
+// fragments).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
 
 // Eight bf16 values moved as one 16-byte access: held as a uint4, which the compiler copies with
 // one vector load or store. (As four __nv_bfloat162 members, every copy from global memory became
@@ -26,13 +34,8 @@ struct alignas(16) Bf16x8 {
     }
   }
   __device__ static Bf16x8 from_float(const float* f) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-      w[i] = __bfloat16_as_ushort(h.x) | static_cast<uint32_t>(__bfloat16_as_ushort(h.y)) << 16;
-    }
-    return Bf16x8{make_uint4(w[0], w[1], w[2], w[3])};
+    return Bf16x8{make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                             pack_bf16x2(f[6], f[7]))};
   }
 };
 

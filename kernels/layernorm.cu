@@ -75,9 +75,8 @@ __global__ void __launch_bounds__(kWarps * 32, forward_blocks_per_sm(kFp8))
         const uint32_t codes = q.pack4(n.x, n.y, n.z, n.w);
         if (q.write && o.out) reinterpret_cast<uint32_t*>(o.out + static_cast<size_t>(row) * D)[i] = codes;
       } else {
-        __nv_bfloat162 lo = __floats2bfloat162_rn(n.x, n.y), hi = __floats2bfloat162_rn(n.z, n.w);
         reinterpret_cast<uint2*>(y + static_cast<size_t>(row) * D)[i] =
-            make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+            make_uint2(pack_bf16x2(n.x, n.y), pack_bf16x2(n.z, n.w));
       }
     }
     if (lane == 0) {
@@ -161,8 +160,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       gn.z += rs * (d.z * wv.z - m1 - xh.z * m2);
       gn.w += rs * (d.w * wv.w - m1 - xh.w * m2);
       gr[i] = gn;
-      __nv_bfloat162 lo = __floats2bfloat162_rn(gn.x, gn.y), hi = __floats2bfloat162_rn(gn.z, gn.w);
-      gbr[i] = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+      gbr[i] = make_uint2(pack_bf16x2(gn.x, gn.y), pack_bf16x2(gn.z, gn.w));
       float4 sw = dw_sum[i], sb = db_sum[i];
       sw.x += d.x * xh.x; sw.y += d.y * xh.y; sw.z += d.z * xh.z; sw.w += d.w * xh.w;
       sb.x += d.x; sb.y += d.y; sb.z += d.z; sb.w += d.w;

@@ -15,31 +15,14 @@
 
 #include <cmath>
 
+#include "kernels/approx_math.h"
+
 struct NormalCdf {
   float cdf;    // Phi(x)
   float gauss;  // exp(-x^2 / 2)
 };
 
 namespace normal_cdf_detail {
-// The GPU's one-instruction approximations (about 1 ulp); exact on the host.
-__host__ __device__ inline float reciprocal(float v) {
-#ifdef __CUDA_ARCH__
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-  return r;
-#else
-  return 1.0f / v;
-#endif
-}
-__host__ __device__ inline float exp2_approx(float v) {
-#ifdef __CUDA_ARCH__
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-  return r;
-#else
-  return std::exp2(v);
-#endif
-}
 // A product never fused into the sum that follows (tail, then 1 - tail): the GELU backward
 // recomputes the forward's FP8 codes, which must not depend on how each kernel was contracted.
 __host__ __device__ inline float mul_rn(float a, float b) {
@@ -53,7 +36,7 @@ __host__ __device__ inline float mul_rn(float a, float b) {
 
 __host__ __device__ inline NormalCdf normal_cdf(float x) {
   using namespace normal_cdf_detail;
-  const float t = reciprocal(fmaf(0.4f, fabsf(x), 1.0f));
+  const float t = reciprocal_approx(fmaf(0.4f, fabsf(x), 1.0f));
   // P(t), highest degree first (tools/fit_normal_cdf.py 0.4 10).
   float p = 2.878087945e-02f;
   p = fmaf(p, t, -1.594553143e-01f);

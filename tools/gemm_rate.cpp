@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -19,6 +18,7 @@
 #include "kernels/elementwise.h"
 #include "kernels/fp8.h"
 #include "kernels/random.h"
+#include "tools/block_shape_args.h"
 #include "tools/event_timing.h"
 
 namespace {
@@ -33,18 +33,9 @@ struct Product {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int D = 1280, H = 5120, M = 64 * 197;
-  if (argc % 2 == 0) {
-    std::fprintf(stderr, "usage: gemm_rate [--dim D] [--hidden H] [--tokens M]\n");
-    return 2;
-  }
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    const int v = std::atoi(argv[i + 1]);
-    if (v <= 0 || v % 8 != 0) { std::fprintf(stderr, "gemm_rate: %s must be a positive multiple of 8\n", a.c_str()); return 2; }
-    if (a == "--dim") D = v; else if (a == "--hidden") H = v; else if (a == "--tokens") M = v;
-    else { std::fprintf(stderr, "gemm_rate: unknown option %s\n", a.c_str()); return 2; }
-  }
+  BlockShape shape;
+  if (!parse_block_shape(argc, argv, "gemm_rate", false, &shape)) return 2;
+  const int D = shape.D, H = shape.H, M = shape.M;
   try {
     const std::vector<Product> products = {
         {"qkv forward", M, 3 * D, D, Product::Forward, true, true},

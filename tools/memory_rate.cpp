@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -20,6 +19,7 @@
 #include "kernels/fp8.h"
 #include "kernels/layernorm.h"
 #include "kernels/random.h"
+#include "tools/block_shape_args.h"
 #include "tools/event_timing.h"
 
 using bf16 = __nv_bfloat16;
@@ -34,23 +34,9 @@ T* device_alloc(size_t n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int D = 1280, H = 5120, M = 64 * 197, L = 32;
-  if (argc % 2 == 0) {
-    std::fprintf(stderr, "usage: memory_rate [--dim D] [--hidden H] [--tokens M] [--depth L]\n");
-    return 2;
-  }
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    const int v = std::atoi(argv[i + 1]);
-    if (a == "--depth") {
-      if (v <= 0) { std::fprintf(stderr, "memory_rate: --depth must be positive\n"); return 2; }
-      L = v;
-      continue;
-    }
-    if (v <= 0 || v % 8 != 0) { std::fprintf(stderr, "memory_rate: %s must be a positive multiple of 8\n", a.c_str()); return 2; }
-    if (a == "--dim") D = v; else if (a == "--hidden") H = v; else if (a == "--tokens") M = v;
-    else { std::fprintf(stderr, "memory_rate: unknown option %s\n", a.c_str()); return 2; }
-  }
+  BlockShape shape;
+  if (!parse_block_shape(argc, argv, "memory_rate", true, &shape)) return 2;
+  const int D = shape.D, H = shape.H, M = shape.M, L = shape.L;
   if (D > 1536) { std::fprintf(stderr, "memory_rate: --dim at most 1536 (the LayerNorm kernels' reach)\n"); return 2; }
   try {
     const size_t MD = size_t(M) * D, MH = size_t(M) * H, widest = std::max(MH, 3 * MD);
