@@ -159,12 +159,15 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
 
   // Everything the run needs, checked against free memory before anything is allocated.
   gemm_workspace_ = kGemmWorkspace;
+  // The weight gradients on their own stream, but not under --timing, whose breakdown times each
+  // op alone (with two streams the ops overlap, and each slows the other).
+  wgrad_stream_ = opts_.wgrad_stream && !opts_.timing;
   const ReduceDType reduce_dtype = opts_.reduce_dtype == "bf16" ? ReduceDType::BF16 : ReduceDType::F32;
   const size_t param_floats = ParamLayout(cfg).total();
   const size_t staging = ctx_.comm ? GradSync::staging_elements(param_floats, reduce_dtype) : 0;
   const size_t bucket_floats = std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float));
   const size_t receive = ctx_.peers ? GradSync::receive_floats(param_floats, bucket_floats, ctx_.world) : 0;
-  const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspace_ + staging * sizeof(__nv_bfloat16) +
+  const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspaces() + staging * sizeof(__nv_bfloat16) +
                       receive * sizeof(float);
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -172,7 +175,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   if (need > usable) {
     const int unit = precision == Precision::FP8 ? 16 : 1;  // FP8 batches come in multiples of 16 at most
     const size_t per_image = (bytes_for_batch(cfg, 2 * unit, precision) - bytes_for_batch(cfg, unit, precision)) / unit;
-    const size_t fixed = bytes_for_batch(cfg, unit, precision) - unit * per_image + gemm_workspace_;
+    const size_t fixed = bytes_for_batch(cfg, unit, precision) - unit * per_image + gemm_workspaces();
     const long fits = usable > fixed ? static_cast<long>((usable - fixed) / per_image) : 0;
     char msg[400];
     std::snprintf(msg, sizeof msg,
@@ -190,6 +193,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   if (window && reduce_dtype == ReduceDType::F32) arenas_.grads.set_allocator(nccl_alloc, nccl_free);
   arenas_.commit();
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
+  model_->set_wgrad_stream(wgrad_stream_, gemm_workspace_, opts_.gemm_autotune);
   timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth);  // ~16 scopes a block, ~31 in fp8
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(&scalar_, sizeof(float)));
@@ -387,6 +391,9 @@ void Trainer::print_summary() const {
                             : "streamed";
   std::printf("  attention   fused, %s forward, %s backward (--attention %s)\n", forward, backward,
               opts_.attention.c_str());
+  std::printf("  backward    %s\n", wgrad_stream_ ? "weight gradients on a stream of their own, beside the input gradients"
+                                : opts_.wgrad_stream ? "one stream (--timing times each op alone)"
+                                                     : "one stream (--wgrad-stream off)");
   if (train_loader_)
     std::printf("  data        %s: %d training images (%d batches an epoch, shuffled), %d test\n",
                 data_summary_.c_str(), train_count_, train_loader_->batches_per_epoch(), test_count_);
@@ -408,12 +415,13 @@ void Trainer::print_summary() const {
               opts_.nesterov ? " nesterov" : "", static_cast<unsigned long long>(opts_.seed));
   std::printf("  model FLOPs %.1f GFLOP per image per training step\n", cfg.train_flops_per_image() / 1e9);
   std::printf("  memory      (allocated once, at start-up)\n");
-  size_t total = gemm_workspace_;
+  size_t total = gemm_workspaces();
   for (const Arena* a : arenas_.all()) {
     std::printf("    %-42s %9.2f GiB\n", a->name().c_str(), gib(a->bytes()));
     total += a->bytes();
   }
-  std::printf("    %-42s %9.2f GiB\n", "cuBLASLt workspace", gib(gemm_workspace_));
+  std::printf("    %-42s %9.2f GiB\n", wgrad_stream_ ? "cuBLASLt workspaces (two streams)" : "cuBLASLt workspace",
+              gib(gemm_workspaces()));
   std::printf("    %-42s %9.2f GiB\n", "total", gib(total));
   std::fflush(stdout);
 }

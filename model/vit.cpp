@@ -83,6 +83,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
   Arena& w = a.workspace;
   w.add(&dresid_, M * D);
   w.add(&dresid_bf16_, M * D);
+  w.add(&dmid_bf16_, M * D);
   w.add(&dhidden_, M * H);
   if (precision_ == Precision::BF16) w.add(&gelu_, M * H);
   w.add(&dln_, M * D);
@@ -127,13 +128,66 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
     // statistics (fp32 rows) took 33 us a call against the transpose's 13, and the attention
     // output's 21 us: 1.5 GiB of activations at ViT-H for 1.3 ms a step (BENCHMARKS 35).
     w.add(&x8_, M * widest);
-    for (int i = 0; i < 2; ++i) {
-      w.add(&dy8_[i], M * widest);
-      w.add(&dy8t_[i], M * widest);
-    }
+    w.add(&xt8_, M * D);
+    for (int i = 0; i < 2; ++i) w.add(&dy8_[i], M * widest);
+    w.add(&dy8t_[kQkv], M * 3 * D);
+    w.add(&dy8t_[kProj], M * D);
+    w.add(&dy8t_[kFc1], M * H);
+    w.add(&dy8t_[kFc2], M * D);
     partial = std::max(partial, fp8_cast_partial_floats(M_, static_cast<int>(widest)));
   }
   w.add(&partial_, partial);
+}
+
+// set_wgrad_stream's stream and Gemm; read[lin]: lin's weight gradient has read its operands;
+// block_done, by the block's parity: the block's weight gradients are written.
+struct ViT::WgradStream {
+  WgradStream(size_t workspace, bool autotune) : gemm(workspace, autotune) {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : events()) CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  }
+  ~WgradStream() {
+    for (cudaEvent_t* e : events()) cudaEventDestroy(*e);
+    cudaStreamDestroy(stream);
+  }
+  WgradStream(const WgradStream&) = delete;
+  WgradStream& operator=(const WgradStream&) = delete;
+  std::array<cudaEvent_t*, 7> events() {
+    return {&forked, &read[0], &read[1], &read[2], &read[3], &block_done[0], &block_done[1]};
+  }
+  Gemm gemm;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t forked = nullptr, read[4] = {}, block_done[2] = {};
+  bool tuned = false;  // a backward has run (in line) since it was made: its GEMMs were tuned alone
+};
+
+// Where one backward's weight gradients run: on the critical path's stream (side null; every
+// hand-over a no-op) or on wgrad_'s. fork(): the weight gradients enqueued next wait for all the
+// critical path has enqueued so far. read(lin), after lin's weight gradient, and
+// before_writing(lin), before the critical path writes that gradient's operands again, order
+// the streams the other way (a waited event that was never recorded is passed at once).
+struct ViT::WgradLane {
+  cudaStream_t main, stream;
+  Gemm& gemm;
+  WgradStream* side;
+  void fork() const {
+    if (!side) return;
+    CUDA_CHECK(cudaEventRecord(side->forked, main));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, side->forked));
+  }
+  void read(Lin lin) const {
+    if (side) CUDA_CHECK(cudaEventRecord(side->read[lin], stream));
+  }
+  void before_writing(Lin lin) const {
+    if (side) CUDA_CHECK(cudaStreamWaitEvent(main, side->read[lin]));
+  }
+};
+
+ViT::~ViT() = default;
+
+void ViT::set_wgrad_stream(bool on, size_t gemm_workspace, bool autotune) {
+  wgrad_.reset();
+  if (on) wgrad_ = std::make_unique<WgradStream>(gemm_workspace, autotune);
 }
 
 void ViT::init_params(uint64_t seed, cudaStream_t stream) {
@@ -457,12 +511,29 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
                          dresid_bf16_, g(layout_.norm_w), g(layout_.norm_b), partial_, B_, D, st); }
   }
   ready_from(layout_.norm_w);
+  WgradStream* side = wgrad_ && wgrad_->tuned ? wgrad_.get() : nullptr;
+  const WgradLane wl{st, side ? side->stream : st, wgrad_ ? wgrad_->gemm : gemm, side};
   for (int l = cfg_.depth - 1; l >= 0; --l) {
     NvtxRange r(nvtx_backward_[l].c_str());
-    if (precision_ == Precision::FP8) backward_block_fp8(l, st, gemm, timer);
-    else backward_block_bf16(l, st, gemm, timer);
-    ready_from(layout_.blocks[l].norm1_w);
+    if (precision_ == Precision::FP8) backward_block_fp8(l, st, gemm, timer, wl);
+    else backward_block_bf16(l, st, gemm, timer, wl);
+    if (!side) {
+      ready_from(layout_.blocks[l].norm1_w);
+      continue;
+    }
+    // A block's gradients are handed on a block later, once their stream has written them (by
+    // then it has, unless it fell a block behind).
+    CUDA_CHECK(cudaEventRecord(side->block_done[l & 1], side->stream));
+    if (l + 1 < cfg_.depth) {
+      CUDA_CHECK(cudaStreamWaitEvent(st, side->block_done[(l + 1) & 1]));
+      ready_from(layout_.blocks[l + 1].norm1_w);
+    }
   }
+  if (side) {  // the first block's: the two streams join
+    CUDA_CHECK(cudaStreamWaitEvent(st, side->block_done[0]));
+    ready_from(layout_.blocks[0].norm1_w);
+  }
+  if (wgrad_) wgrad_->tuned = true;
   {
     NvtxRange r("patch_embed backward");
     // x[b, t] = (t == 0 ? cls : patch_out[b, t - 1]) + pos[t]: pos gets the batch sum of dresid,
@@ -484,34 +555,47 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
 }
 
 // On entry dresid holds the gradient of the block's output (fp32, and its bf16 copy); on exit,
-// of its input. The LayerNorm backwards add their input gradients into it.
-void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
+// of its input. The LayerNorm backwards add their input gradients into it. Each weight gradient
+// is enqueued on wl's stream after the input gradient that shares its output gradient, so that
+// on a stream of its own it runs beside the memory-bound kernels that follow on the critical path.
+void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer, const WgradLane& wl) {
   const int D = cfg_.dim, Hd = cfg_.hidden();
   const BlockParams& w = layout_.blocks[l];
   const BlockActs& a = acts_[l];
   const std::array<Linear, 4>& L = linears_[l];
+  auto weight_grad = [&](Lin lin, const bf16* dy, const bf16* x, bool with_bias) {
+    { auto t = timer.op(OpKind::Gemm, wl.stream);
+      wl.gemm.linear_backward_weight(dy, x, g(L[lin].w), with_bias ? g(L[lin].b) : nullptr, M_, L[lin].n, L[lin].k,
+                                     wl.stream); }
+    wl.read(lin);
+  };
   // MLP: dresid is the gradient of fc2's output. The GELU output is recomputed in the pass that
   // applies GELU's derivative (4 GiB less for ViT-H at batch 64).
+  wl.before_writing(kFc1);  // dhidden_
   { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dresid_bf16_, pb(L[kFc2].w), dhidden_, M_, D, Hd, st); }
+  wl.before_writing(kFc2);  // gelu_
   { auto t = timer.op(OpKind::Gelu, st);
     gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, g(L[kFc1].b), partial_, M_, Hd, st); }
-  { auto t = timer.op(OpKind::Gemm, st);
-    gemm.linear_backward_weight(dresid_bf16_, gelu_, g(L[kFc2].w), g(L[kFc2].b), M_, D, Hd, st);
-    gemm.linear_backward_weight(dhidden_, a.ln2, g(L[kFc1].w), nullptr, M_, Hd, D, st);  // fc1's bias: above
-    gemm.linear_backward_input(dhidden_, pb(L[kFc1].w), dln_, M_, Hd, D, st); }
+  { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dhidden_, pb(L[kFc1].w), dln_, M_, Hd, D, st); }
+  wl.fork();
+  weight_grad(kFc2, dresid_bf16_, gelu_, true);
+  weight_grad(kFc1, dhidden_, a.ln2, false);  // fc1's bias: above
+  wl.before_writing(kProj);  // dmid_bf16_
   { auto t = timer.op(OpKind::LayerNorm, st);
-    layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dresid_bf16_,
+    layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dmid_bf16_,
                        g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
   // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
-  { auto t = timer.op(OpKind::Gemm, st);
-    gemm.linear_backward_weight(dresid_bf16_, a.attn, g(L[kProj].w), g(L[kProj].b), M_, D, D, st);
-    gemm.linear_backward_input(dresid_bf16_, pb(L[kProj].w), dattn_, M_, D, D, st); }
+  { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dmid_bf16_, pb(L[kProj].w), dattn_, M_, D, D, st); }
+  wl.fork();
+  weight_grad(kProj, dmid_bf16_, a.attn, true);
+  wl.before_writing(kQkv);  // dqkv_
   { auto t = timer.op(OpKind::Attention, st);
     attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st,
                        attention_backward_); }
-  { auto t = timer.op(OpKind::Gemm, st);
-    gemm.linear_backward_weight(dqkv_, a.ln1, g(L[kQkv].w), g(L[kQkv].b), M_, 3 * D, D, st);
-    gemm.linear_backward_input(dqkv_, pb(L[kQkv].w), dln_, M_, 3 * D, D, st); }
+  { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dqkv_, pb(L[kQkv].w), dln_, M_, 3 * D, D, st); }
+  wl.fork();
+  weight_grad(kQkv, dqkv_, a.ln1, true);
+  wl.before_writing(kFc2);  // dresid_bf16_, read by this block's fc2 weight gradient
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
                        g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }
@@ -520,47 +604,58 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
 // The same in FP8. Each output gradient is cast once into both FP8 copies (dy for the input
 // gradient, dy^T for the weight gradient) with its column sums, the bias gradient, in the same
 // pass; fc1's comes straight out of the GELU backward. The weight gradients' transposed inputs
-// are the forward's own codes: LayerNorm's transposed into x8_, the attention output's kept
-// transposed, fc2's input recomputed into x8_ by the GELU backward with the forward's scale.
-void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
+// are the forward's own codes: LayerNorm's transposed into xt8_ (on wl's stream), the attention
+// output's kept transposed, fc2's input recomputed into x8_ by the GELU backward with the
+// forward's scale.
+void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer, const WgradLane& wl) {
   const int D = cfg_.dim, Hd = cfg_.hidden();
   const BlockParams& w = layout_.blocks[l];
   const BlockActs& a = acts_[l];
   const std::array<Linear, 4>& L = linears_[l];
   auto output_grad = [&](Lin lin, const bf16* dy, int n) {
+    wl.before_writing(lin);  // dy8t_[lin] (fc2's: and x8_, which the GELU backward writes)
     auto t = timer.op(OpKind::Fp8Cast, st);
-    produce_fp8(meta(l, lin, kOutputGrad), Fp8Kind::E5M2, dy8_[0], dy8t_[0], st,
+    produce_fp8(meta(l, lin, kOutputGrad), Fp8Kind::E5M2, dy8_[0], dy8t_[lin], st,
                 [&](const Fp8Out& o) { cast_to_fp8(dy, M_, n, o, st, g(L[lin].b), partial_); });
+  };
+  auto weight_grad = [&](Lin lin, const uint8_t* x8t) {
+    { auto t = timer.op(OpKind::Gemm, wl.stream); fp8_weight_grad(wl.gemm, l, lin, dy8t_[lin], x8t, wl.stream); }
+    wl.read(lin);
+  };
+  auto transpose = [&](const uint8_t* x8) {
+    auto t = timer.op(OpKind::Fp8Cast, wl.stream);
+    transpose_fp8(x8, M_, D, xt8_, wl.stream);
   };
   // MLP: dresid is the gradient of fc2's output.
   output_grad(kFc2, dresid_bf16_, D);
   { auto t = timer.op(OpKind::Gemm, st); fp8_input_grad(gemm, l, kFc2, dy8_[0], dhidden_, st); }
+  wl.before_writing(kFc1);
   { auto t = timer.op(OpKind::Gelu, st);  // fc1's output gradient, and fc2's input recomputed
-    produce_fp8(meta(l, kFc1, kOutputGrad), Fp8Kind::E5M2, dy8_[1], dy8t_[1], st, [&](const Fp8Out& o) {
+    produce_fp8(meta(l, kFc1, kOutputGrad), Fp8Kind::E5M2, dy8_[1], dy8t_[kFc1], st, [&](const Fp8Out& o) {
       gelu_backward_fp8(dhidden_, a.fc1, M_, Hd, o, recompute_fp8(meta(l, kFc2, kInput), x8_), g(L[kFc1].b),
                         partial_, st);
     }); }
-  { auto t = timer.op(OpKind::Gemm, st); fp8_weight_grad(gemm, l, kFc2, dy8t_[0], x8_, st); }
-  { auto t = timer.op(OpKind::Fp8Cast, st); transpose_fp8(a.ln2_8, M_, D, x8_, st); }
-  { auto t = timer.op(OpKind::Gemm, st);
-    fp8_weight_grad(gemm, l, kFc1, dy8t_[1], x8_, st);
-    fp8_input_grad(gemm, l, kFc1, dy8_[1], dln_, st); }
+  { auto t = timer.op(OpKind::Gemm, st); fp8_input_grad(gemm, l, kFc1, dy8_[1], dln_, st); }
+  wl.fork();
+  weight_grad(kFc2, x8_);
+  transpose(a.ln2_8);
+  weight_grad(kFc1, xt8_);
   { auto t = timer.op(OpKind::LayerNorm, st);
-    layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dresid_bf16_,
+    layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dmid_bf16_,
                        g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
   // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
-  output_grad(kProj, dresid_bf16_, D);
-  { auto t = timer.op(OpKind::Gemm, st);
-    fp8_weight_grad(gemm, l, kProj, dy8t_[0], a.attn8t, st);
-    fp8_input_grad(gemm, l, kProj, dy8_[0], dattn_, st); }
+  output_grad(kProj, dmid_bf16_, D);
+  { auto t = timer.op(OpKind::Gemm, st); fp8_input_grad(gemm, l, kProj, dy8_[0], dattn_, st); }
+  wl.fork();
+  weight_grad(kProj, a.attn8t);
   { auto t = timer.op(OpKind::Attention, st);
     attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st,
                        attention_backward_); }
   output_grad(kQkv, dqkv_, 3 * D);
-  { auto t = timer.op(OpKind::Fp8Cast, st); transpose_fp8(a.ln1_8, M_, D, x8_, st); }
-  { auto t = timer.op(OpKind::Gemm, st);
-    fp8_weight_grad(gemm, l, kQkv, dy8t_[0], x8_, st);
-    fp8_input_grad(gemm, l, kQkv, dy8_[0], dln_, st); }
+  { auto t = timer.op(OpKind::Gemm, st); fp8_input_grad(gemm, l, kQkv, dy8_[0], dln_, st); }
+  wl.fork();
+  transpose(a.ln1_8);
+  weight_grad(kQkv, xt8_);
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
                        g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }

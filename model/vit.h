@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,7 @@ class ViT {
   // Declares every buffer in the arenas; pointers are valid after the arenas are committed.
   ViT(const ViTConfig& cfg, int batch, ModelArenas& arenas, Precision precision = Precision::BF16,
       Fp8Options fp8 = {});
+  ~ViT();
   // Empty if this batch and shape can run in FP8, else the reason (token count and features
   // must be multiples of 16: Hopper's FP8 GEMMs).
   static std::string fp8_unsupported_reason(const ViTConfig& cfg, int batch);
@@ -108,6 +110,13 @@ class ViT {
   // Data-parallel ranks whose gradients are summed: the loss gradient is divided by them too, so
   // the sum is the global batch's mean gradient.
   void set_gradient_ranks(int ranks) { gradient_ranks_ = ranks; }
+  // The backward's weight gradients on a stream of their own (on) or in line (off, the default
+  // here; vit_train's --wgrad-stream). Each block's input gradients and the memory-bound kernels
+  // between them are the backward's critical path; the weight gradients only feed the optimizer,
+  // so their GEMMs can run while LayerNorm, GELU and attention wait on memory. They get a Gemm of
+  // their own (a workspace of gemm_workspace bytes), tuned in the first backward after this, which
+  // still runs them in line so that they are timed alone. The same results bit for bit.
+  void set_wgrad_stream(bool on, size_t gemm_workspace, bool autotune);
   // Off for evaluation: FP8 casts use the training scales and record no amax.
   void set_fp8_recording(bool on) { fp8_recording_ = on; }
   // --fp8-stats: while on, the FP8 producers count the values that underflow to zero and that
@@ -157,8 +166,10 @@ class ViT {
   };
   void forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
   void forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
-  void backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
-  void backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
+  struct WgradStream;  // set_wgrad_stream's stream, Gemm and events (vit.cpp)
+  struct WgradLane;    // where one backward's weight gradients run, and its hand-overs (vit.cpp)
+  void backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer, const WgradLane& wl);
+  void backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer, const WgradLane& wl);
 
   // FP8: each tensor is made by the kernel that computes it. produce_fp8 runs such a producer,
   // launch(const Fp8Out&), under the recipe: delayed = one pass with the scale from past amaxes,
@@ -207,10 +218,12 @@ class ViT {
   unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting
   std::function<void(float*, int, cudaStream_t)> amax_reduce_;
   float* fp8_amax_reduce_ = nullptr;  // the step's amaxes and a bad-step flag, gathered for the reduce
-  // FP8 operands of the products at hand: a forward input (or, in the backward, a transposed
-  // one: kept LayerNorm codes transposed, or the GELU output recomputed), and two output
-  // gradients' copies (fc2's live on while fc1's are made).
-  uint8_t *x8_ = nullptr, *dy8_[2] = {}, *dy8t_[2] = {};
+  // FP8 operands of the products at hand: a forward input (in the backward, the GELU output
+  // recomputed), the kept LayerNorm codes transposed (xt8_), two output gradients (fc2's lives
+  // on while fc1's is made), and each Linear's output gradient transposed (dy8t_, by Lin: a
+  // weight gradient on its own stream may read it while the next ones are made).
+  uint8_t *x8_ = nullptr, *xt8_ = nullptr, *dy8_[2] = {}, *dy8t_[4] = {};
+  std::unique_ptr<WgradStream> wgrad_;
 
   float *params_, *grads_, *momentum_;
   bf16* params_bf16_;
@@ -232,6 +245,7 @@ class ViT {
   bf16* lnf_;
   // backward temporaries, reused block after block
   float *dresid_, *partial_, *delta_;
-  bf16 *dresid_bf16_, *dhidden_, *dln_, *dattn_, *dqkv_, *dlogits_, *dfeat_, *dpatch_;
+  // dresid_'s bf16 copy: of a block's output (dresid_bf16_), of its middle state (dmid_bf16_)
+  bf16 *dresid_bf16_, *dmid_bf16_, *dhidden_, *dln_, *dattn_, *dqkv_, *dlogits_, *dfeat_, *dpatch_;
   bf16* gelu_;  // bf16: the current block's GELU output, forward and (recomputed) backward
 };

@@ -2,7 +2,9 @@
 // and every parameter gradient on a small config against the CPU reference.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 
 #include "engine/gemm.h"
@@ -321,5 +323,73 @@ TEST_CASE("gpu: training a small model on a fixed batch lowers the loss, in bf16
     CHECK(std::isfinite(last));
     CHECK(last < 0.25 * first);
     CHECK(skipped == 0);
+  }
+}
+
+TEST_CASE("gpu: the weight gradients on a stream of their own give the same gradients bit for bit, in bf16 and fp8") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  ViTConfig cfg = small_config();
+  cfg.dim = 256; cfg.depth = 5; cfg.heads = 4;  // enough work a block for the streams to overlap; odd depth
+  const int B = 32;
+  for (Precision precision : {Precision::BF16, Precision::FP8}) {
+    CAPTURE(precision == Precision::FP8);
+    const uint64_t seed = rng();
+    std::mt19937_64 data_rng(seed);
+    const auto images = round_f32(random_vec(data_rng, static_cast<size_t>(B) * 3 * 32 * 32, -2, 2));
+    std::vector<int> labels(B);
+    for (int b = 0; b < B; ++b) labels[b] = static_cast<int>(data_rng() % cfg.classes);
+    // Two models, the same weights and batch: one stream, and the weight gradients on their own.
+    // The heuristic's GEMM algorithms, so that both Gemms pick the same ones.
+    ModelArenas arenas_one, arenas_two;
+    ViT one(cfg, B, arenas_one, precision), two(cfg, B, arenas_two, precision);
+    arenas_one.commit();
+    arenas_two.commit();
+    two.set_wgrad_stream(true, 32u << 20, false);
+    Gemm gemm_one(32u << 20, false), gemm_two(32u << 20, false);
+    OpTimer timer(false);
+    const size_t n = one.layout().total();
+    std::vector<float> grads_one(n), grads_two(n), params_one(n), params_two(n);
+    std::vector<size_t> ready_one, ready_two;  // the offsets handed on, in order
+    for (ViT* m : {&one, &two}) {
+      m->init_params(seed, 0);
+      CUDA_CHECK(cudaMemcpy(m->images(), to_f32(images).data(), images.size() * 4, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(m->labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
+      m->prime_fp8_scales(0, m == &one ? gemm_one : gemm_two, timer);
+    }
+    // The first backward runs the weight gradients in line (their GEMMs are tuned); the next on
+    // their own stream.
+    for (int step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      for (ViT* m : {&one, &two}) {
+        Gemm& gemm = m == &one ? gemm_one : gemm_two;
+        std::vector<size_t>& ready = m == &one ? ready_one : ready_two;
+        ready.clear();
+        CUDA_CHECK(cudaMemset(m->grads(), 0xFF, n * 4));  // poison: every gradient must be written
+        m->begin_fp8_step(0);
+        m->forward(0, gemm, timer);
+        m->backward(0, gemm, timer, [&](size_t offset) { ready.push_back(offset); });
+        m->end_fp8_step(0);
+        sgd_momentum_step(m->params(), m->momentum(), m->grads(), m->params_bf16(), n, SgdHyper{0.05f, 0.9f, 0.0f, false},
+                          step == 0, 0, m->fp8_step_non_finite());
+        m->cast_fp8_weights(0);
+      }
+      CUDA_CHECK(cudaDeviceSynchronize());
+      CUDA_CHECK(cudaMemcpy(grads_one.data(), one.grads(), n * 4, cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(grads_two.data(), two.grads(), n * 4, cudaMemcpyDeviceToHost));
+      CHECK(std::memcmp(grads_one.data(), grads_two.data(), n * 4) == 0);
+      CHECK(ready_one == ready_two);
+      REQUIRE(!ready_one.empty());
+      CHECK(ready_one.back() == 0);
+    }
+    CUDA_CHECK(cudaMemcpy(params_one.data(), one.params(), n * 4, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(params_two.data(), two.params(), n * 4, cudaMemcpyDeviceToHost));
+    CHECK(std::memcmp(params_one.data(), params_two.data(), n * 4) == 0);
+    size_t written = 0, numel = 0;  // the poison overwritten in every tensor (the padding between keeps it)
+    for (const ParamTensor& t : one.layout().tensors()) {
+      numel += t.numel;
+      for (size_t i = 0; i < t.numel; ++i) written += std::isfinite(grads_one[t.offset + i]);
+    }
+    CHECK(written == numel);
   }
 }
