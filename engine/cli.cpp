@@ -62,8 +62,9 @@ std::string usage() {
              "  --comm-ctas N          NCCL uses at most N thread blocks (SMs), leaving the rest to the backward\n"
              "                         it overlaps (default 0: NCCL's choice)\n"
              "  --precision P          bf16 (default) or fp8 (the blocks' Linear layers in FP8, all three GEMMs)\n"
-             "  --wgrad-stream on|off  on (default): the backward's weight gradients run on a stream of their own,\n"
-             "                         beside the input gradients (not under --timing); off: one stream\n"
+             "  --second-stream on|off on (default): the backward's weight gradients run on a second stream beside\n"
+             "                         the input gradients, the optimizer beside the next forward (not under\n"
+             "                         --timing); off: one stream\n"
              "  --attention A          the attention kernels: auto (default: the fastest that apply), single-pass\n"
              "                         (backward; T <= 96, head dim 16/32/64/80), resident (Hopper wgmma; forward:\n"
              "                         head dim 64/80/128 up to 832/656/384 tokens, backward: head dim 64/80 up to\n"
@@ -147,9 +148,9 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
          if (v != "auto" && v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose auto, on or off");
          o.shard_optimizer = v;
        }},
-      {"--wgrad-stream", [&](const std::string& f, const std::string& v) {
+      {"--second-stream", [&](const std::string& f, const std::string& v) {
          if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");
-         o.wgrad_stream = v == "on";
+         o.second_stream = v == "on";
        }},
       {"--nccl-window", [&](const std::string& f, const std::string& v) {
          if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");

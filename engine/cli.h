@@ -19,9 +19,9 @@ struct TrainOptions {
   // The optimizer sharded over the ranks: "auto" (where the copy engines sum the gradients and no
   // --clip-grad is given), "on" (the same, an error where it cannot) or "off".
   std::string shard_optimizer = "auto";
-  // The backward's weight-gradient GEMMs on a stream of their own, beside the input gradients and
-  // the memory-bound kernels of the critical path (ViT::set_wgrad_stream).
-  bool wgrad_stream = true;
+  // A second stream (ViT::set_second_stream): the backward's weight gradients beside the input
+  // gradients and the memory-bound kernels of the critical path; the optimizer beside the next forward.
+  bool second_stream = true;
   bool nccl_window = false;  // the all-reduced buffer from ncclMemAlloc, registered as a symmetric window
   int comm_timeout = 300;  // seconds without a finished step before a data-parallel run gives up
   int comm_ctas = 0;  // NCCL's thread blocks at most (0: NCCL's choice)

@@ -159,9 +159,9 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
 
   // Everything the run needs, checked against free memory before anything is allocated.
   gemm_workspace_ = kGemmWorkspace;
-  // The weight gradients on their own stream, but not under --timing, whose breakdown times each
-  // op alone (with two streams the ops overlap, and each slows the other).
-  wgrad_stream_ = opts_.wgrad_stream && !opts_.timing;
+  // The second stream, but not under --timing, whose breakdown times each op alone (with two
+  // streams the ops overlap, and each slows the other).
+  second_stream_ = opts_.second_stream && !opts_.timing;
   const ReduceDType reduce_dtype = opts_.reduce_dtype == "bf16" ? ReduceDType::BF16 : ReduceDType::F32;
   const size_t param_floats = ParamLayout(cfg).total();
   const size_t staging = ctx_.comm ? GradSync::staging_elements(param_floats, reduce_dtype) : 0;
@@ -193,7 +193,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   if (window && reduce_dtype == ReduceDType::F32) arenas_.grads.set_allocator(nccl_alloc, nccl_free);
   arenas_.commit();
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
-  model_->set_wgrad_stream(wgrad_stream_, gemm_workspace_, opts_.gemm_autotune);
+  model_->set_second_stream(second_stream_, gemm_workspace_, opts_.gemm_autotune);
   timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth);  // ~16 scopes a block, ~31 in fp8
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(&scalar_, sizeof(float)));
@@ -289,6 +289,7 @@ void Trainer::log_json(const std::string& fields) {
 
 void Trainer::save(int steps_done) {
   doing("saving a checkpoint");
+  model_->await_update(stream_);  // the optimizer on the second stream
   CheckpointState st;
   st.step = steps_done;
   if (sync_) sync_->gather_state();  // a sharded optimizer's stale shares first
@@ -391,9 +392,10 @@ void Trainer::print_summary() const {
                             : "streamed";
   std::printf("  attention   fused, %s forward, %s backward (--attention %s)\n", forward, backward,
               opts_.attention.c_str());
-  std::printf("  backward    %s\n", wgrad_stream_ ? "weight gradients on a stream of their own, beside the input gradients"
-                                : opts_.wgrad_stream ? "one stream (--timing times each op alone)"
-                                                     : "one stream (--wgrad-stream off)");
+  std::printf("  streams     %s\n", second_stream_ ? "two: the weight gradients beside the input gradients, the optimizer "
+                                                      "beside the next forward"
+                                : opts_.second_stream ? "one (--timing times each op alone)"
+                                                      : "one (--second-stream off)");
   if (train_loader_)
     std::printf("  data        %s: %d training images (%d batches an epoch, shuffled), %d test\n",
                 data_summary_.c_str(), train_count_, train_loader_->batches_per_epoch(), test_count_);
@@ -420,7 +422,7 @@ void Trainer::print_summary() const {
     std::printf("    %-42s %9.2f GiB\n", a->name().c_str(), gib(a->bytes()));
     total += a->bytes();
   }
-  std::printf("    %-42s %9.2f GiB\n", wgrad_stream_ ? "cuBLASLt workspaces (two streams)" : "cuBLASLt workspace",
+  std::printf("    %-42s %9.2f GiB\n", second_stream_ ? "cuBLASLt workspaces (two streams)" : "cuBLASLt workspace",
               gib(gemm_workspaces()));
   std::printf("    %-42s %9.2f GiB\n", "total", gib(total));
   std::fflush(stdout);
@@ -499,6 +501,7 @@ std::vector<float> Trainer::rank_timings() {
 
 Trainer::WeightChecksums Trainer::weight_checksums() {
   doing("gathering the weights' checksums");
+  model_->await_update(stream_);
   if (sync_) sync_->gather_state();  // a sharded optimizer's stale shares first
   const size_t n = model_->layout().total();  // a multiple of 4: the bf16 copy is n / 2 words
   unsigned long long* mine = checksums_ + 2 * ctx_.rank;
@@ -517,20 +520,20 @@ void Trainer::optimizer_step(int step) {
   doing("optimizer step (sharded: then waiting for the peers' weights)");
   NvtxRange range("optimizer");
   auto phase = timer_->phase(Phase::Optimizer, stream_);
-  {
-    auto t = timer_->op(OpKind::Optimizer, stream_);
-    SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
-               static_cast<float>(opts_.weight_decay), opts_.nesterov};
-    h.max_grad_norm = static_cast<float>(opts_.clip_grad);
-    if (sync_ && sync_->sharded()) {
-      sync_->optimizer_step(h, step == 0, model_->fp8_step_non_finite());
-    } else {
-      if (grad_norm_) l2_norm(model_->grads(), model_->layout().total(), norm_partial_, grad_norm_, stream_);
-      sgd_momentum_step(model_->params(), model_->momentum(), model_->grads(), model_->params_bf16(),
-                        model_->layout().total(), h, step == 0, stream_, model_->fp8_step_non_finite(), grad_norm_);
-    }
+  SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
+             static_cast<float>(opts_.weight_decay), opts_.nesterov};
+  h.max_grad_norm = static_cast<float>(opts_.clip_grad);
+  if (sync_ && sync_->sharded()) {
+    { auto t = timer_->op(OpKind::Optimizer, stream_);
+      sync_->optimizer_step(h, step == 0, model_->fp8_step_non_finite()); }
+    model_->cast_fp8_weights(stream_, timer_.get());  // the next forward's FP8 weights
+    return;
   }
-  model_->cast_fp8_weights(stream_, timer_.get());  // the next forward's FP8 weights
+  if (grad_norm_) {
+    auto t = timer_->op(OpKind::Optimizer, stream_);
+    l2_norm(model_->grads(), model_->layout().total(), norm_partial_, grad_norm_, stream_);
+  }
+  model_->update(h, step == 0, grad_norm_, stream_, timer_.get());  // and the next forward's FP8 weights
 }
 
 Trainer::Accuracy Trainer::evaluate() {

@@ -112,8 +112,8 @@ class Trainer {
   std::unique_ptr<OpTimer> timer_;
   cudaStream_t stream_ = nullptr;
   size_t gemm_workspace_ = 0;  // each Gemm's
-  bool wgrad_stream_ = false;  // --wgrad-stream, less under --timing: a second Gemm (workspace)
-  size_t gemm_workspaces() const { return gemm_workspace_ * (wgrad_stream_ ? 2 : 1); }
+  bool second_stream_ = false;  // --second-stream, less under --timing: a second Gemm (workspace)
+  size_t gemm_workspaces() const { return gemm_workspace_ * (second_stream_ ? 2 : 1); }
   LrSchedule schedule_;
   // Real data (--data fashion-mnist or packed); null for the synthetic set.
   std::unique_ptr<FashionMnist> fashion_;

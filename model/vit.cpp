@@ -139,37 +139,46 @@ ViT::ViT(const ViTConfig& cfg, int batch, ModelArenas& a, Precision precision, F
   w.add(&partial_, partial);
 }
 
-// set_wgrad_stream's stream and Gemm; read[lin]: lin's weight gradient has read its operands;
-// block_done, by the block's parity: the block's weight gradients are written.
-struct ViT::WgradStream {
-  WgradStream(size_t workspace, bool autotune) : gemm(workspace, autotune) {
+// set_second_stream's stream and Gemm, and its events. The backward's: forked (the weight
+// gradients enqueued next wait for the critical path so far), read[lin] (lin's weight gradient
+// has read its operands), block_done by the block's parity (its weight gradients are written).
+// update()'s: updated[part], and a copy of the step's skip flag.
+struct ViT::SecondStream {
+  SecondStream(size_t workspace, bool autotune, int parts) : gemm(workspace, autotune), updated(parts) {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     for (cudaEvent_t* e : events()) CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    CUDA_CHECK(cudaMalloc(&skip, sizeof(int)));
   }
-  ~WgradStream() {
+  ~SecondStream() {
+    cudaFree(skip);
     for (cudaEvent_t* e : events()) cudaEventDestroy(*e);
     cudaStreamDestroy(stream);
   }
-  WgradStream(const WgradStream&) = delete;
-  WgradStream& operator=(const WgradStream&) = delete;
-  std::array<cudaEvent_t*, 7> events() {
-    return {&forked, &read[0], &read[1], &read[2], &read[3], &block_done[0], &block_done[1]};
+  SecondStream(const SecondStream&) = delete;
+  SecondStream& operator=(const SecondStream&) = delete;
+  std::vector<cudaEvent_t*> events() {
+    std::vector<cudaEvent_t*> e{&forked, &read[0], &read[1], &read[2], &read[3], &block_done[0], &block_done[1]};
+    for (cudaEvent_t& u : updated) e.push_back(&u);
+    return e;
   }
   Gemm gemm;
   cudaStream_t stream = nullptr;
   cudaEvent_t forked = nullptr, read[4] = {}, block_done[2] = {};
-  bool tuned = false;  // a backward has run (in line) since it was made: its GEMMs were tuned alone
+  std::vector<cudaEvent_t> updated;
+  int* skip = nullptr;
+  bool tuned = false;            // a backward has run (in line) since it was made: its GEMMs were tuned alone
+  bool update_pending = false;  // an update() not yet waited for in full
 };
 
 // Where one backward's weight gradients run: on the critical path's stream (side null; every
-// hand-over a no-op) or on wgrad_'s. fork(): the weight gradients enqueued next wait for all the
-// critical path has enqueued so far. read(lin), after lin's weight gradient, and
+// hand-over a no-op) or on the second stream. fork(): the weight gradients enqueued next wait for
+// all the critical path has enqueued so far. read(lin), after lin's weight gradient, and
 // before_writing(lin), before the critical path writes that gradient's operands again, order
 // the streams the other way (a waited event that was never recorded is passed at once).
 struct ViT::WgradLane {
   cudaStream_t main, stream;
   Gemm& gemm;
-  WgradStream* side;
+  SecondStream* side;
   void fork() const {
     if (!side) return;
     CUDA_CHECK(cudaEventRecord(side->forked, main));
@@ -185,12 +194,57 @@ struct ViT::WgradLane {
 
 ViT::~ViT() = default;
 
-void ViT::set_wgrad_stream(bool on, size_t gemm_workspace, bool autotune) {
-  wgrad_.reset();
-  if (on) wgrad_ = std::make_unique<WgradStream>(gemm_workspace, autotune);
+void ViT::set_second_stream(bool on, size_t gemm_workspace, bool autotune) {
+  second_.reset();
+  if (on) second_ = std::make_unique<SecondStream>(gemm_workspace, autotune, cfg_.depth + 2);
+}
+
+size_t ViT::update_part_begin(int part) const {
+  if (part == 0) return 0;
+  if (part <= cfg_.depth) return layout_.at(layout_.blocks[part - 1].norm1_w).offset;
+  if (part == cfg_.depth + 1) return layout_.at(layout_.norm_w).offset;
+  return layout_.total();
+}
+
+void ViT::await_update_part(int part, cudaStream_t st) const {
+  if (second_ && second_->update_pending) CUDA_CHECK(cudaStreamWaitEvent(st, second_->updated[part]));
+}
+
+void ViT::await_update(cudaStream_t st) const {
+  await_update_part(cfg_.depth + 1, st);  // the last part: the stream runs them in order
+  if (second_) second_->update_pending = false;
+}
+
+void ViT::update(const SgdHyper& h, bool first_step, const float* grad_norm, cudaStream_t st, OpTimer* timer) {
+  OpTimer untimed(false);
+  OpTimer& tm = timer ? *timer : untimed;
+  const bool fp8 = precision_ == Precision::FP8;
+  if (!second_) {
+    { auto t = tm.op(OpKind::Optimizer, st);
+      sgd_momentum_step(params_, momentum_, grads_, params_bf16_, layout_.total(), h, first_step, st,
+                        fp8_step_non_finite_, grad_norm); }
+    cast_fp8_weights(st, timer);
+    return;
+  }
+  // The next step's begin_fp8_step clears the skip flag while this update may still read it: a
+  // copy. (grad_norm is written again only after the next forward, which waits for the update.)
+  if (fp8) CUDA_CHECK(cudaMemcpyAsync(second_->skip, fp8_step_non_finite_, sizeof(int), cudaMemcpyDeviceToDevice, st));
+  CUDA_CHECK(cudaEventRecord(second_->forked, st));
+  const cudaStream_t ss = second_->stream;
+  CUDA_CHECK(cudaStreamWaitEvent(ss, second_->forked));
+  for (int part = 0; part < cfg_.depth + 2; ++part) {
+    const size_t begin = update_part_begin(part), n = update_part_begin(part + 1) - begin;
+    { auto t = tm.op(OpKind::Optimizer, ss);
+      sgd_momentum_step(params_ + begin, momentum_ + begin, grads_ + begin, params_bf16_ + begin, n, h, first_step, ss,
+                        fp8 ? second_->skip : nullptr, grad_norm); }
+    if (fp8 && part >= 1 && part <= cfg_.depth) cast_block_fp8_weights(part - 1, 1, ss, timer);
+    CUDA_CHECK(cudaEventRecord(second_->updated[part], ss));
+  }
+  second_->update_pending = true;
 }
 
 void ViT::init_params(uint64_t seed, cudaStream_t stream) {
+  await_update(stream);
   const float conv_bound = 1.0f / std::sqrt(static_cast<float>(cfg_.patch_dim()));
   CUDA_CHECK(cudaMemsetAsync(params_, 0, layout_.total() * sizeof(float), stream));  // padding too
   for (size_t i = 0; i < layout_.tensors().size(); ++i) {
@@ -218,6 +272,7 @@ void ViT::init_params(uint64_t seed, cudaStream_t stream) {
 }
 
 void ViT::refresh_weight_copies(cudaStream_t stream) {
+  await_update(stream);
   cast_to_bf16(params_, params_bf16_, layout_.total(), stream);
   cast_fp8_weights(stream);
 }
@@ -308,7 +363,9 @@ std::vector<std::pair<size_t, size_t>> ViT::freeze_fp32_reads() {
   return ranges;
 }
 
-void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {
+void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) { cast_block_fp8_weights(0, cfg_.depth, st, timer); }
+
+void ViT::cast_block_fp8_weights(int first, int count, cudaStream_t st, OpTimer* timer) {
   if (precision_ != Precision::FP8) return;
   NvtxRange range("fp8 weight casts");
   OpTimer untimed(false);
@@ -316,22 +373,22 @@ void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {
   for (int lin = 0; lin < 4; ++lin) {
     // Delayed: one launch casts this layer's weights in every block (the blocks' tensors sit at
     // one stride from each other in every buffer); current needs each tensor's amax first.
-    const Linear &L0 = linears_[0][lin], &L1 = linears_[std::min(1, cfg_.depth - 1)][lin];
+    const Linear &L0 = linears_[first][lin], &L1 = linears_[first + std::min(1, count - 1)][lin];
     const size_t in_stride = pb(L1.w) - pb(L0.w), out_stride = L1.w8 - L0.w8, out_t_stride = L1.w8t - L0.w8t;
     bool uniform = fp8_recording_ && !fp8_.current;
-    for (int l = 0; l < cfg_.depth && uniform; ++l) {
-      const Linear& L = linears_[l][lin];
+    for (int l = 0; l < count && uniform; ++l) {
+      const Linear& L = linears_[first + l][lin];
       uniform = size_t(pb(L.w) - pb(L0.w)) == l * in_stride && size_t(L.w8 - L0.w8) == l * out_stride &&
                 size_t(L.w8t - L0.w8t) == l * out_t_stride;
     }
     if (uniform) {
-      Fp8Meta* m = meta(0, Lin(lin), kWeight);
+      Fp8Meta* m = meta(first, Lin(lin), kWeight);
       const Fp8Strides strides{out_stride, out_t_stride, 12 * sizeof(Fp8Meta), 12 * 3 * sizeof(unsigned long long)};
       cast_to_fp8_batched(pb(L0.w), in_stride, L0.n, L0.k,
-                          Fp8Out{Fp8Kind::E4M3, &m->scale, L0.w8, L0.w8t, &m->amax, stats(m)}, strides, cfg_.depth, st);
+                          Fp8Out{Fp8Kind::E4M3, &m->scale, L0.w8, L0.w8t, &m->amax, stats(m)}, strides, count, st);
       continue;
     }
-    for (int l = 0; l < cfg_.depth; ++l) {
+    for (int l = first; l < first + count; ++l) {
       const Linear& L = linears_[l][lin];
       produce_fp8(meta(l, Lin(lin), kWeight), Fp8Kind::E4M3, L.w8, L.w8t, st,
                   [&](const Fp8Out& o) { cast_to_fp8(pb(L.w), L.n, L.k, o, st); });
@@ -341,8 +398,10 @@ void ViT::cast_fp8_weights(cudaStream_t st, OpTimer* timer) {
 
 void ViT::set_fp8_counting(bool on, cudaStream_t st) {
   if (precision_ != Precision::FP8) return;
-  if (on && !fp8_counting_)
+  if (on && !fp8_counting_) {
+    await_update(st);  // its weight casts may be counting
     CUDA_CHECK(cudaMemsetAsync(fp8_stats_, 0, linears_.size() * 12 * 3 * sizeof(unsigned long long), st));
+  }
   fp8_counting_ = on;
 }
 
@@ -351,6 +410,7 @@ std::string ViT::fp8_stats_table(cudaStream_t st) const {
   const size_t n = linears_.size() * 12;
   std::vector<Fp8Meta> metas(n);
   std::vector<unsigned long long> counts(3 * n);
+  await_update(st);  // its weight casts write their amaxes and counts
   CUDA_CHECK(cudaMemcpyAsync(metas.data(), fp8_metas_, n * sizeof(Fp8Meta), cudaMemcpyDeviceToHost, st));
   CUDA_CHECK(cudaMemcpyAsync(counts.data(), fp8_stats_, counts.size() * sizeof(counts[0]), cudaMemcpyDeviceToHost, st));
   CUDA_CHECK(cudaStreamSynchronize(st));
@@ -402,6 +462,7 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
     const int K = cfg_.patch_dim(), K8 = cfg_.patch_dim_padded();
     { auto t = timer.op(OpKind::Embed, st);
       patchify(images_, patches_, B_, cfg_.channels, cfg_.img, cfg_.patch, K8, st);
+      await_update_part(0, st);  // a pending update() on the second stream: each part before it is read
       if (K8 != K) {  // the weight's rows padded with zeros like the patches' (its bf16 copy changes every step)
         CUDA_CHECK(cudaMemsetAsync(patch_w_padded_, 0, size_t(D) * K8 * sizeof(bf16), st));
         CUDA_CHECK(cudaMemcpy2DAsync(patch_w_padded_, K8 * sizeof(bf16), pb(layout_.patch_w), K * sizeof(bf16),
@@ -415,11 +476,13 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   }
   for (int l = 0; l < cfg_.depth; ++l) {
     NvtxRange r(nvtx_forward_[l].c_str());
+    await_update_part(l + 1, st);
     if (precision_ == Precision::FP8) forward_block_fp8(l, st, gemm, timer);
     else forward_block_bf16(l, st, gemm, timer);
   }
   {
     NvtxRange r("head and loss");
+    await_update(st);
     // Only the class token reaches the head, so the final LayerNorm runs on those B rows alone.
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_forward(resid(2 * cfg_.depth), T_ * D, p(layout_.norm_w), p(layout_.norm_b), lnf_, lnf_mean_,
@@ -511,8 +574,8 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
                          dresid_bf16_, g(layout_.norm_w), g(layout_.norm_b), partial_, B_, D, st); }
   }
   ready_from(layout_.norm_w);
-  WgradStream* side = wgrad_ && wgrad_->tuned ? wgrad_.get() : nullptr;
-  const WgradLane wl{st, side ? side->stream : st, wgrad_ ? wgrad_->gemm : gemm, side};
+  SecondStream* side = second_ && second_->tuned ? second_.get() : nullptr;
+  const WgradLane wl{st, side ? side->stream : st, second_ ? second_->gemm : gemm, side};
   for (int l = cfg_.depth - 1; l >= 0; --l) {
     NvtxRange r(nvtx_backward_[l].c_str());
     if (precision_ == Precision::FP8) backward_block_fp8(l, st, gemm, timer, wl);
@@ -533,7 +596,7 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
     CUDA_CHECK(cudaStreamWaitEvent(st, side->block_done[0]));
     ready_from(layout_.blocks[0].norm1_w);
   }
-  if (wgrad_) wgrad_->tuned = true;
+  if (second_) second_->tuned = true;
   {
     NvtxRange r("patch_embed backward");
     // x[b, t] = (t == 0 ? cls : patch_out[b, t - 1]) + pos[t]: pos gets the batch sum of dresid,

@@ -18,6 +18,7 @@
 #include "kernels/attention.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_scaling.h"
+#include "kernels/optimizer.h"
 #include "model/config.h"
 #include "model/params.h"
 
@@ -110,13 +111,21 @@ class ViT {
   // Data-parallel ranks whose gradients are summed: the loss gradient is divided by them too, so
   // the sum is the global batch's mean gradient.
   void set_gradient_ranks(int ranks) { gradient_ranks_ = ranks; }
-  // The backward's weight gradients on a stream of their own (on) or in line (off, the default
-  // here; vit_train's --wgrad-stream). Each block's input gradients and the memory-bound kernels
-  // between them are the backward's critical path; the weight gradients only feed the optimizer,
-  // so their GEMMs can run while LayerNorm, GELU and attention wait on memory. They get a Gemm of
-  // their own (a workspace of gemm_workspace bytes), tuned in the first backward after this, which
-  // still runs them in line so that they are timed alone. The same results bit for bit.
-  void set_wgrad_stream(bool on, size_t gemm_workspace, bool autotune);
+  // A second stream (on; off by default here, vit_train's --second-stream), for the work off the
+  // critical path; the same results bit for bit. The backward's weight gradients run on it: each
+  // block's input gradients and the memory-bound kernels between them are the backward's critical
+  // path, and the weight gradients only feed the optimizer, so their GEMMs can run while
+  // LayerNorm, GELU and attention wait on memory. They get a Gemm of their own (a workspace of
+  // gemm_workspace bytes), tuned in the first backward after this, which still runs them in line
+  // so that they are timed alone. And update() runs on it, beside the next forward.
+  void set_second_stream(bool on, size_t gemm_workspace, bool autotune);
+  // The optimizer step (SGD with momentum; clipped by grad_norm, skipped in FP8 when the step was
+  // bad) over every parameter, then in FP8 the next forward's weight copies. With the second
+  // stream it runs there, part by part in the order the next forward reads them (the embeddings,
+  // each block, the final norm and head), and the forward waits for each part before it reads it.
+  // await_update makes st wait for all of it: before anything but forward() reads the weights.
+  void update(const SgdHyper& h, bool first_step, const float* grad_norm, cudaStream_t st, OpTimer* timer = nullptr);
+  void await_update(cudaStream_t st) const;
   // Off for evaluation: FP8 casts use the training scales and record no amax.
   void set_fp8_recording(bool on) { fp8_recording_ = on; }
   // --fp8-stats: while on, the FP8 producers count the values that underflow to zero and that
@@ -166,7 +175,7 @@ class ViT {
   };
   void forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
   void forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
-  struct WgradStream;  // set_wgrad_stream's stream, Gemm and events (vit.cpp)
+  struct SecondStream;  // set_second_stream's stream, Gemm and events (vit.cpp)
   struct WgradLane;    // where one backward's weight gradients run, and its hand-overs (vit.cpp)
   void backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer, const WgradLane& wl);
   void backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer, const WgradLane& wl);
@@ -223,7 +232,12 @@ class ViT {
   // on while fc1's is made), and each Linear's output gradient transposed (dy8t_, by Lin: a
   // weight gradient on its own stream may read it while the next ones are made).
   uint8_t *x8_ = nullptr, *xt8_ = nullptr, *dy8_[2] = {}, *dy8t_[4] = {};
-  std::unique_ptr<WgradStream> wgrad_;
+  std::unique_ptr<SecondStream> second_;
+  // The first parameter of part `part` of update(): the embeddings (0), block part - 1, the head.
+  size_t update_part_begin(int part) const;
+  void await_update_part(int part, cudaStream_t st) const;
+  // The FP8 weight copies of blocks [first, first + count).
+  void cast_block_fp8_weights(int first, int count, cudaStream_t st, OpTimer* timer);
 
   float *params_, *grads_, *momentum_;
   bf16* params_bf16_;

@@ -113,9 +113,9 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(!parse({}).nccl_window);
   CHECK(parse({"--nccl-window", "on"}).nccl_window);
   CHECK(usage_error({"--nccl-window", "yes"}).find("unknown --nccl-window 'yes'") != std::string::npos);
-  CHECK(parse({}).wgrad_stream);
-  CHECK(!parse({"--wgrad-stream", "off"}).wgrad_stream);
-  CHECK(usage_error({"--wgrad-stream", "auto"}).find("unknown --wgrad-stream 'auto'; choose on or off") != std::string::npos);
+  CHECK(parse({}).second_stream);
+  CHECK(!parse({"--second-stream", "off"}).second_stream);
+  CHECK(usage_error({"--second-stream", "auto"}).find("unknown --second-stream 'auto'; choose on or off") != std::string::npos);
   CHECK(parse({}).attention == "auto");
   CHECK(parse({"--attention", "streamed"}).attention == "streamed");
   CHECK(parse({"--attention", "resident"}).attention == "resident");

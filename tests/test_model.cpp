@@ -326,7 +326,7 @@ TEST_CASE("gpu: training a small model on a fixed batch lowers the loss, in bf16
   }
 }
 
-TEST_CASE("gpu: the weight gradients on a stream of their own give the same gradients bit for bit, in bf16 and fp8") {
+TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the same gradients and weights bit for bit, in bf16 and fp8") {
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
   ViTConfig cfg = small_config();
@@ -339,13 +339,13 @@ TEST_CASE("gpu: the weight gradients on a stream of their own give the same grad
     const auto images = round_f32(random_vec(data_rng, static_cast<size_t>(B) * 3 * 32 * 32, -2, 2));
     std::vector<int> labels(B);
     for (int b = 0; b < B; ++b) labels[b] = static_cast<int>(data_rng() % cfg.classes);
-    // Two models, the same weights and batch: one stream, and the weight gradients on their own.
+    // Two models, the same weights and batch: one stream, and a second stream.
     // The heuristic's GEMM algorithms, so that both Gemms pick the same ones.
     ModelArenas arenas_one, arenas_two;
     ViT one(cfg, B, arenas_one, precision), two(cfg, B, arenas_two, precision);
     arenas_one.commit();
     arenas_two.commit();
-    two.set_wgrad_stream(true, 32u << 20, false);
+    two.set_second_stream(true, 32u << 20, false);
     Gemm gemm_one(32u << 20, false), gemm_two(32u << 20, false);
     OpTimer timer(false);
     const size_t n = one.layout().total();
@@ -357,22 +357,22 @@ TEST_CASE("gpu: the weight gradients on a stream of their own give the same grad
       CUDA_CHECK(cudaMemcpy(m->labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
       m->prime_fp8_scales(0, m == &one ? gemm_one : gemm_two, timer);
     }
-    // The first backward runs the weight gradients in line (their GEMMs are tuned); the next on
-    // their own stream.
+    // The first backward runs the weight gradients in line (their GEMMs are tuned), the next on
+    // the second stream; every update on the second stream, beside the next forward.
     for (int step = 0; step < 3; ++step) {
       CAPTURE(step);
       for (ViT* m : {&one, &two}) {
         Gemm& gemm = m == &one ? gemm_one : gemm_two;
         std::vector<size_t>& ready = m == &one ? ready_one : ready_two;
         ready.clear();
-        CUDA_CHECK(cudaMemset(m->grads(), 0xFF, n * 4));  // poison: every gradient must be written
         m->begin_fp8_step(0);
-        m->forward(0, gemm, timer);
+        m->forward(0, gemm, timer);  // the last update, on the second stream, is waited for part by part
+        // Poison: every gradient must be written. After the forward, which waited for the update
+        // that read them.
+        CUDA_CHECK(cudaMemsetAsync(m->grads(), 0xFF, n * 4, 0));
         m->backward(0, gemm, timer, [&](size_t offset) { ready.push_back(offset); });
         m->end_fp8_step(0);
-        sgd_momentum_step(m->params(), m->momentum(), m->grads(), m->params_bf16(), n, SgdHyper{0.05f, 0.9f, 0.0f, false},
-                          step == 0, 0, m->fp8_step_non_finite());
-        m->cast_fp8_weights(0);
+        m->update(SgdHyper{0.05f, 0.9f, 0.0f, false}, step == 0, nullptr, 0);
       }
       CUDA_CHECK(cudaDeviceSynchronize());
       CUDA_CHECK(cudaMemcpy(grads_one.data(), one.grads(), n * 4, cudaMemcpyDeviceToHost));
