@@ -82,6 +82,7 @@ void copy_to_device(float* dst, const std::vector<float>& src, cudaStream_t stre
 
 std::string save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, ViT& model,
                      const TrainOptions& opts, int world, cudaStream_t stream) {
+  model.await_update(stream);  // an optimizer step still running on the model's second stream
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir)) throw RuntimeError("cannot create checkpoint directory " + dir + ": " + ec.message());
@@ -184,6 +185,7 @@ std::string latest_checkpoint(const std::string& dir) {
 
 CheckpointState load_checkpoint(const std::string& path, ViT& model, const TrainOptions& opts, int world,
                                 cudaStream_t stream) {
+  model.await_update(stream);  // an optimizer step still running on the model's second stream
   const SafetensorsFile st((fs::path(path) / "state.safetensors").string());
   const SafetensorsFile weights((fs::path(path) / "model.safetensors").string());
   const std::vector<int64_t> want = run_shape(model.config(), opts, world);
@@ -249,6 +251,7 @@ CheckpointState load_checkpoint(const std::string& path, ViT& model, const Train
 }
 
 void load_timm_weights(const std::string& file, ViT& model, cudaStream_t stream) {
+  model.await_update(stream);  // an optimizer step still running on the model's second stream
   const SafetensorsFile f(file);
   const ParamLayout& layout = model.layout();
   std::vector<float> params(layout.total(), 0.0f);

@@ -289,7 +289,6 @@ void Trainer::log_json(const std::string& fields) {
 
 void Trainer::save(int steps_done) {
   doing("saving a checkpoint");
-  model_->await_update(stream_);  // the optimizer on the second stream
   CheckpointState st;
   st.step = steps_done;
   if (sync_) sync_->gather_state();  // a sharded optimizer's stale shares first
@@ -392,10 +391,12 @@ void Trainer::print_summary() const {
                             : "streamed";
   std::printf("  attention   fused, %s forward, %s backward (--attention %s)\n", forward, backward,
               opts_.attention.c_str());
-  std::printf("  streams     %s\n", second_stream_ ? "two: the weight gradients beside the input gradients, the optimizer "
-                                                      "beside the next forward"
-                                : opts_.second_stream ? "one (--timing times each op alone)"
-                                                      : "one (--second-stream off)");
+  const bool sharded = sync_ && sync_->sharded();  // the sharded optimizer keeps its own pipeline
+  std::printf("  streams     %s%s\n",
+              second_stream_ ? "two: the weight gradients beside the input gradients"
+              : opts_.second_stream ? "one (--timing times each op alone)"
+                                    : "one (--second-stream off)",
+              second_stream_ && !sharded ? ", the optimizer beside the next forward" : "");
   if (train_loader_)
     std::printf("  data        %s: %d training images (%d batches an epoch, shuffled), %d test\n",
                 data_summary_.c_str(), train_count_, train_loader_->batches_per_epoch(), test_count_);

@@ -112,18 +112,28 @@ class ViT {
   // the sum is the global batch's mean gradient.
   void set_gradient_ranks(int ranks) { gradient_ranks_ = ranks; }
   // A second stream (on; off by default here, vit_train's --second-stream), for the work off the
-  // critical path; the same results bit for bit. The backward's weight gradients run on it: each
-  // block's input gradients and the memory-bound kernels between them are the backward's critical
-  // path, and the weight gradients only feed the optimizer, so their GEMMs can run while
-  // LayerNorm, GELU and attention wait on memory. They get a Gemm of their own (a workspace of
-  // gemm_workspace bytes), tuned in the first backward after this, which still runs them in line
-  // so that they are timed alone. And update() runs on it, beside the next forward.
+  // critical path; the same results bit for bit, given the same GEMM algorithms. The backward's
+  // weight gradients run on it (in FP8 with the transposes of the kept LayerNorm codes they
+  // read): each block's input gradients and the memory-bound kernels between them are the
+  // backward's critical path, and the weight gradients only feed the optimizer, so their GEMMs
+  // can run while LayerNorm, GELU and attention wait on memory. They get a Gemm of their own (a
+  // workspace of gemm_workspace bytes), tuned in the first backward after this, which still runs
+  // them in line so that they are timed alone. And update() runs on it, beside the next forward.
+  // Every call of forward, backward, update and the rest takes the same stream, the critical path.
   void set_second_stream(bool on, size_t gemm_workspace, bool autotune);
+  // Tests: one stream falls behind the other by ns nanoseconds (a spinning kernel), so that a
+  // missing wait between them shows as a wrong result. The second stream: at each fork to it and
+  // each update (against a missing wait of the critical path for it); the critical path: at each
+  // block of the backward and at the embeddings' (against a missing wait of the second stream).
+  enum class Lagging { SecondStream, CriticalPath };
+  void set_second_stream_lag(uint64_t ns, Lagging which);
   // The optimizer step (SGD with momentum; clipped by grad_norm, skipped in FP8 when the step was
   // bad) over every parameter, then in FP8 the next forward's weight copies. With the second
   // stream it runs there, part by part in the order the next forward reads them (the embeddings,
-  // each block, the final norm and head), and the forward waits for each part before it reads it.
-  // await_update makes st wait for all of it: before anything but forward() reads the weights.
+  // each block, the final norm and head), and the forward waits for each part before it reads it
+  // (in line with the FP8 current recipe, whose weight casts reduce their amaxes and flag a bad
+  // step on the critical path). await_update makes st wait for all of it: before anything but the
+  // next forward reads or writes the weights, the gradients or the FP8 state.
   void update(const SgdHyper& h, bool first_step, const float* grad_norm, cudaStream_t st, OpTimer* timer = nullptr);
   void await_update(cudaStream_t st) const;
   // Off for evaluation: FP8 casts use the training scales and record no amax.

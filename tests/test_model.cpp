@@ -3,12 +3,14 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <deque>
 #include <cstdio>
 #include <cstring>
 #include <random>
 
 #include "engine/gemm.h"
 #include "kernels/optimizer.h"
+#include "kernels/reduce.h"
 #include "model/vit.h"
 #include "tests/gpu_util.h"
 #include "tests/harness.h"
@@ -330,7 +332,7 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
   ViTConfig cfg = small_config();
-  cfg.dim = 256; cfg.depth = 5; cfg.heads = 4;  // enough work a block for the streams to overlap; odd depth
+  cfg.dim = 256; cfg.depth = 5; cfg.heads = 4;  // odd depth: the hand-over's events alternate by parity
   const int B = 32;
   for (Precision precision : {Precision::BF16, Precision::FP8}) {
     CAPTURE(precision == Precision::FP8);
@@ -339,57 +341,94 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
     const auto images = round_f32(random_vec(data_rng, static_cast<size_t>(B) * 3 * 32 * 32, -2, 2));
     std::vector<int> labels(B);
     for (int b = 0; b < B; ++b) labels[b] = static_cast<int>(data_rng() % cfg.classes);
-    // Two models, the same weights and batch: one stream, and a second stream.
-    // The heuristic's GEMM algorithms, so that both Gemms pick the same ones.
-    ModelArenas arenas_one, arenas_two;
-    ViT one(cfg, B, arenas_one, precision), two(cfg, B, arenas_two, precision);
-    arenas_one.commit();
-    arenas_two.commit();
-    two.set_second_stream(true, 32u << 20, false);
-    Gemm gemm_one(32u << 20, false), gemm_two(32u << 20, false);
-    OpTimer timer(false);
-    const size_t n = one.layout().total();
-    std::vector<float> grads_one(n), grads_two(n), params_one(n), params_two(n);
-    std::vector<size_t> ready_one, ready_two;  // the offsets handed on, in order
-    for (ViT* m : {&one, &two}) {
-      m->init_params(seed, 0);
-      CUDA_CHECK(cudaMemcpy(m->images(), to_f32(images).data(), images.size() * 4, cudaMemcpyHostToDevice));
-      CUDA_CHECK(cudaMemcpy(m->labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
-      m->prime_fp8_scales(0, m == &one ? gemm_one : gemm_two, timer);
-    }
-    // The first backward runs the weight gradients in line (their GEMMs are tuned), the next on
-    // the second stream; every update on the second stream, beside the next forward.
-    for (int step = 0; step < 3; ++step) {
-      CAPTURE(step);
-      for (ViT* m : {&one, &two}) {
-        Gemm& gemm = m == &one ? gemm_one : gemm_two;
-        std::vector<size_t>& ready = m == &one ? ready_one : ready_two;
-        ready.clear();
-        m->begin_fp8_step(0);
-        m->forward(0, gemm, timer);  // the last update, on the second stream, is waited for part by part
-        // Poison: every gradient must be written. After the forward, which waited for the update
-        // that read them.
-        CUDA_CHECK(cudaMemsetAsync(m->grads(), 0xFF, n * 4, 0));
-        m->backward(0, gemm, timer, [&](size_t offset) { ready.push_back(offset); });
-        m->end_fp8_step(0);
-        m->update(SgdHyper{0.05f, 0.9f, 0.0f, false}, step == 0, nullptr, 0);
+    // Two models, the same weights and batch: one stream, and two streams of which one lags 2 ms
+    // at each hand-over (the second, then the critical path: so that a missing wait, in either
+    // direction, reads or writes a buffer too early). The heuristic's GEMM algorithms, so that
+    // both Gemms pick the same ones.
+    for (ViT::Lagging lagging : {ViT::Lagging::SecondStream, ViT::Lagging::CriticalPath}) {
+      CAPTURE(lagging == ViT::Lagging::SecondStream);
+      ModelArenas arenas_one, arenas_two;
+      ViT one(cfg, B, arenas_one, precision), two(cfg, B, arenas_two, precision);
+      arenas_one.commit();
+      arenas_two.commit();
+      two.set_second_stream(true, 32u << 20, false);
+      two.set_second_stream_lag(2'000'000, lagging);
+      Gemm gemm_one(32u << 20, false), gemm_two(32u << 20, false);
+      OpTimer timer(false);
+      const size_t n = one.layout().total();
+      constexpr int kSteps = 3;
+      // Per model and step, copied on the stream in its order (no host synchronisation between the
+      // steps, so that the next forward must wait for the lagging update itself): the gradients as
+      // handed on, block by block (they must be final by then), and as the backward left them.
+      std::deque<DeviceBuffer<float>> handed, grads;  // (not movable: a deque never moves them)
+      for (int i = 0; i < 2 * kSteps; ++i) {
+        handed.emplace_back(n);
+        grads.emplace_back(n);
+      }
+      DeviceBuffer<float> partial(l2_norm_partial_floats()), norm(1);
+      std::vector<size_t> ready[2];  // the offsets handed on in the last step, in order
+      auto download = [n](const float* d) {
+        std::vector<float> h(n);
+        CUDA_CHECK(cudaMemcpy(h.data(), d, n * 4, cudaMemcpyDeviceToHost));
+        return h;
+      };
+      SgdHyper h{0.05f, 0.9f, 1e-4f, false};
+      h.max_grad_norm = 1.0f;  // clipped by the gradients' norm, read by the update on the second stream
+      for (int k = 0; k < 2; ++k) {  // one model's steps after the other's: nothing else hides the lag
+        ViT& m = k == 0 ? one : two;
+        Gemm& gemm = k == 0 ? gemm_one : gemm_two;
+        m.init_params(seed, 0);
+        CUDA_CHECK(cudaMemcpy(m.images(), to_f32(images).data(), images.size() * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(m.labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
+        // FP8: its backward runs the weight gradients in line (the Gemm's first use); every
+        // backward below runs them on the second stream (bf16: all but the first).
+        m.prime_fp8_scales(0, gemm, timer);
+        for (int step = 0; step < kSteps; ++step) {
+          float* hand = handed[k * kSteps + step].get();
+          ready[k].clear();
+          m.begin_fp8_step(0);
+          m.forward(0, gemm, timer);  // the last update, on the second stream, is waited for part by part
+          // Poison: every gradient must be written. After the forward, which waited for the update
+          // that read them.
+          CUDA_CHECK(cudaMemsetAsync(m.grads(), 0xFF, n * 4, 0));
+          m.backward(0, gemm, timer, [&](size_t offset) {
+            const size_t end = ready[k].empty() ? n : ready[k].back();
+            CUDA_CHECK(cudaMemcpyAsync(hand + offset, m.grads() + offset, (end - offset) * 4,
+                                       cudaMemcpyDeviceToDevice, 0));
+            ready[k].push_back(offset);
+          });
+          CUDA_CHECK(cudaMemcpyAsync(grads[k * kSteps + step].get(), m.grads(), n * 4, cudaMemcpyDeviceToDevice, 0));
+          m.end_fp8_step(0);
+          l2_norm(m.grads(), n, partial.get(), norm.get(), 0);
+          m.update(h, step == 0, norm.get(), 0);
+        }
       }
       CUDA_CHECK(cudaDeviceSynchronize());
-      CUDA_CHECK(cudaMemcpy(grads_one.data(), one.grads(), n * 4, cudaMemcpyDeviceToHost));
-      CUDA_CHECK(cudaMemcpy(grads_two.data(), two.grads(), n * 4, cudaMemcpyDeviceToHost));
-      CHECK(std::memcmp(grads_one.data(), grads_two.data(), n * 4) == 0);
-      CHECK(ready_one == ready_two);
-      REQUIRE(!ready_one.empty());
-      CHECK(ready_one.back() == 0);
+      CHECK(ready[0] == ready[1]);
+      REQUIRE(!ready[0].empty());
+      CHECK(ready[0].back() == 0);
+      for (int step = 0; step < kSteps; ++step) {
+        CAPTURE(step);
+        const std::vector<float> grads_one = grads[step].download(), grads_two = grads[kSteps + step].download();
+        CHECK(std::memcmp(grads_one.data(), grads_two.data(), n * 4) == 0);
+        CHECK(std::memcmp(handed[step].download().data(), grads_one.data(), n * 4) == 0);
+        CHECK(std::memcmp(handed[kSteps + step].download().data(), grads_two.data(), n * 4) == 0);
+        size_t written = 0, numel = 0;  // the poison overwritten in every tensor (the padding between keeps it)
+        for (const ParamTensor& t : one.layout().tensors()) {
+          numel += t.numel;
+          for (size_t i = 0; i < t.numel; ++i) written += std::isfinite(grads_two[t.offset + i]);
+        }
+        CHECK(written == numel);
+      }
+      // The last update, awaited: master weights and their bf16 copies.
+      for (ViT* m : {&one, &two}) m->await_update(0);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<float> params_one = download(one.params()), params_two = download(two.params());
+      CHECK(std::memcmp(params_one.data(), params_two.data(), n * 4) == 0);
+      std::vector<bf16> bf16_one(n), bf16_two(n);
+      CUDA_CHECK(cudaMemcpy(bf16_one.data(), one.params_bf16(), n * 2, cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(bf16_two.data(), two.params_bf16(), n * 2, cudaMemcpyDeviceToHost));
+      CHECK(std::memcmp(bf16_one.data(), bf16_two.data(), n * 2) == 0);
     }
-    CUDA_CHECK(cudaMemcpy(params_one.data(), one.params(), n * 4, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(params_two.data(), two.params(), n * 4, cudaMemcpyDeviceToHost));
-    CHECK(std::memcmp(params_one.data(), params_two.data(), n * 4) == 0);
-    size_t written = 0, numel = 0;  // the poison overwritten in every tensor (the padding between keeps it)
-    for (const ParamTensor& t : one.layout().tensors()) {
-      numel += t.numel;
-      for (size_t i = 0; i < t.numel; ++i) written += std::isfinite(grads_one[t.offset + i]);
-    }
-    CHECK(written == numel);
   }
 }
