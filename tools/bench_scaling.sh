@@ -13,7 +13,9 @@
 #
 # Usage: tools/bench_scaling.sh [N]   (default 2)
 # Environment: STEPS (timed, default 30), WARMUP (default 10), PRECISIONS (default "bf16 fp8"),
-#              ROUNDS (default 1), OUT (log folder, default /tmp).
+#              ROUNDS (default 1), OUT (log folder, default /tmp), COMPARE_FLAGS (e.g.
+#              "--second-stream off": each round also runs card 0 alone and N GPUs with these
+#              flags, and the table gets a row for them, its scaling against card 0 with them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-2}
@@ -21,6 +23,7 @@ STEPS=${STEPS:-30}
 WARMUP=${WARMUP:-10}
 PRECISIONS=${PRECISIONS:-bf16 fp8}
 ROUNDS=${ROUNDS:-1}
+read -ra COMPARE <<< "${COMPARE_FLAGS:-}"
 LOG_DIR=${OUT:-/tmp}
 mkdir -p "$LOG_DIR"
 [[ "$N" =~ ^[1-9][0-9]*$ && "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench_scaling.sh: N and ROUNDS must be positive integers" >&2; exit 1; }
@@ -50,6 +53,10 @@ for p in $PRECISIONS; do
     for i in $(seq 0 $((N - 1))); do run_engine "$p" 1 "${CARDS[$i]}" "${p}_1_card$i" "$r"; done
     run_engine "$p" "$N" "$VISIBLE_ALL" "${p}_$N" "$r"
     run_engine "$p" "$N" "$VISIBLE_ALL" "${p}_${N}_nccl" "$r" --allreduce nccl
+    if [ ${#COMPARE[@]} -gt 0 ]; then
+      run_engine "$p" 1 "${CARDS[0]}" "${p}_1_card0_compare" "$r" "${COMPARE[@]}"
+      run_engine "$p" "$N" "$VISIBLE_ALL" "${p}_${N}_compare" "$r" "${COMPARE[@]}"
+    fi
   done
 done
 export CUDA_VISIBLE_DEVICES=$VISIBLE_ALL
@@ -82,6 +89,12 @@ for p in $PRECISIONS; do
       "$(median_of "${p}_1_card0" img_s)" "$(median_of "${p}_$config" img_s)" \
       "$(awk -v a="$a" -v b="$b" 'BEGIN { print a / b }')" "$(awk -v a="${!slowest_var}" -v b="$b" 'BEGIN { print a / b }')"
   done
+  if [ ${#COMPARE[@]} -gt 0 ]; then
+    a=$(median_of "${p}_1_card0_compare" step_ms); b=$(median_of "${p}_${N}_compare" step_ms)
+    printf "%-14s %12.2f %12.2f %14.1f %14.1f %10.3f %12s   (%s, card 0 with them too)\n" "engine $p" "$a" "$b" \
+      "$(median_of "${p}_1_card0_compare" img_s)" "$(median_of "${p}_${N}_compare" img_s)" \
+      "$(awk -v a="$a" -v b="$b" 'BEGIN { print a / b }')" "-" "${COMPARE[*]}"
+  fi
 done
 a=$(field "$LOG_DIR/scaling_pytorch_1.log" pytorch_eager step_ms); b=$(field "$LOG_DIR/scaling_pytorch_$N.log" pytorch_ddp step_ms)
 printf "%-14s %12.2f %12.2f %14.1f %14.1f %10.3f\n" "pytorch" "$a" "$b" \
