@@ -64,7 +64,6 @@ long long step_of(const fs::path& p) {
   return std::stoll(n.substr(std::strlen(kPrefix)));
 }
 
-
 std::vector<fs::path> checkpoints_in(const std::string& dir) {
   std::vector<fs::path> out;
   std::error_code ec;

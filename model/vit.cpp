@@ -169,8 +169,9 @@ struct ViT::SecondStream {
   std::vector<cudaEvent_t> updated;
   int* skip = nullptr;
   uint64_t lag_ns = 0, critical_lag_ns = 0;  // set_second_stream_lag
-  bool tuned = false;            // a backward has run (in line) since it was made: its GEMMs were tuned alone
-  bool update_pending = false;  // an update() not yet waited for in full
+  bool update_pending = false;               // an update() not yet waited for in full
+  // Its GEMMs were planned (and tuned, alone) in a backward that ran them in line.
+  bool tuned() const { return gemm.plans_cached() > 0; }
 };
 
 // Where one backward's weight gradients run: on the critical path's stream (side null; every
@@ -585,7 +586,7 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
                          dresid_bf16_, g(layout_.norm_w), g(layout_.norm_b), partial_, B_, D, st); }
   }
   ready_from(layout_.norm_w);
-  SecondStream* side = second_ && second_->tuned ? second_.get() : nullptr;
+  SecondStream* side = second_ && second_->tuned() ? second_.get() : nullptr;
   const WgradLane wl{st, side ? side->stream : st, second_ ? second_->gemm : gemm, side};
   auto lag = [&] {
     if (side && side->critical_lag_ns) spin(side->critical_lag_ns, st);
@@ -615,7 +616,6 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
     CUDA_CHECK(cudaStreamWaitEvent(st, side->block_done[0]));
     ready_from(layout_.blocks[0].norm1_w);
   }
-  if (second_) second_->tuned = true;
   {
     NvtxRange r("patch_embed backward");
     lag();

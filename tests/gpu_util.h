@@ -11,6 +11,15 @@
 
 #include "engine/check.h"
 
+// n elements from device memory, after everything queued on the device.
+template <class T>
+std::vector<T> download(const T* p, size_t n) {
+  std::vector<T> h(n);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
 template <class T>
 class DeviceBuffer {
  public:
@@ -25,12 +34,7 @@ class DeviceBuffer {
   // All bits set: NaN in fp32 and bf16, so an element a kernel forgot to write fails the check.
   void poison() { CUDA_CHECK(cudaMemset(p_, 0xFF, std::max<size_t>(n_, 1) * sizeof(T))); }
   void upload(const std::vector<T>& h) { CUDA_CHECK(cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice)); }
-  std::vector<T> download() const {
-    std::vector<T> h(n_);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    CUDA_CHECK(cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
+  std::vector<T> download() const { return ::download(p_, n_); }
   T* get() const { return p_; }
   size_t size() const { return n_; }
 

@@ -367,11 +367,6 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
       }
       DeviceBuffer<float> partial(l2_norm_partial_floats()), norm(1);
       std::vector<size_t> ready[2];  // the offsets handed on in the last step, in order
-      auto download = [n](const float* d) {
-        std::vector<float> h(n);
-        CUDA_CHECK(cudaMemcpy(h.data(), d, n * 4, cudaMemcpyDeviceToHost));
-        return h;
-      };
       SgdHyper h{0.05f, 0.9f, 1e-4f, false};
       h.max_grad_norm = 1.0f;  // clipped by the gradients' norm, read by the update on the second stream
       for (int k = 0; k < 2; ++k) {  // one model's steps after the other's: nothing else hides the lag
@@ -422,12 +417,9 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
       }
       // The last update, awaited: master weights and their bf16 copies.
       for (ViT* m : {&one, &two}) m->await_update(0);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      const std::vector<float> params_one = download(one.params()), params_two = download(two.params());
+      const std::vector<float> params_one = download(one.params(), n), params_two = download(two.params(), n);
       CHECK(std::memcmp(params_one.data(), params_two.data(), n * 4) == 0);
-      std::vector<bf16> bf16_one(n), bf16_two(n);
-      CUDA_CHECK(cudaMemcpy(bf16_one.data(), one.params_bf16(), n * 2, cudaMemcpyDeviceToHost));
-      CUDA_CHECK(cudaMemcpy(bf16_two.data(), two.params_bf16(), n * 2, cudaMemcpyDeviceToHost));
+      const std::vector<bf16> bf16_one = download(one.params_bf16(), n), bf16_two = download(two.params_bf16(), n);
       CHECK(std::memcmp(bf16_one.data(), bf16_two.data(), n * 2) == 0);
     }
   }
