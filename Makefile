@@ -56,7 +56,7 @@ $(TRACED_OBJ): kernels/attention_resident.cu
 	$(NVCC) $(NVCCFLAGS) -DATTENTION_TRACE -c $< -o $@
 
 # The TMA unit's rate at the resident attention kernels' tiles, by box geometry.
-tma_rate: $(BUILD)/tools/tma_rate.o $(BUILD)/engine/check.o
+tma_rate: $(BUILD)/tools/tma_rate.o $(BUILD)/engine/check.o $(BUILD)/kernels/spin.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 # The memory-bound kernels' rates (LayerNorm, GELU, FP8 casts) at one ViT's FP8 shapes, and the

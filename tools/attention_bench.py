@@ -5,11 +5,15 @@ Usage: python3 tools/attention_bench.py [B H T HD ...]   (default: the shapes of
 
 bf16 inputs in the layout timm uses (batch, heads, tokens, head dim), no mask, each backend
 forced with torch.nn.attention.sdpa_kernel (cuDNN, flash, memory-efficient); CUDA events, median
-of 20 after 5 untimed. FLOPs as FlashAttention counts them: forward 4 B H T^2 hd, backward 2.5x.
+of 20 after 5 untimed, each timed call behind a lead (torch.cuda._sleep) that keeps the GPU busy
+while Python enqueues it, so that the events time the GPU's work and not the interpreter's and
+autograd's launch latency (tools/event_timing.h leads ./attention_rate's the same way). FLOPs as
+FlashAttention counts them: forward 4 B H T^2 hd, backward 2.5x.
 One line per (shape, backend): RESULT sdpa backend=... shape=B,H,T,HD fwd_ms=.. bwd_ms=.. both_ms=..
 """
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -20,18 +24,40 @@ BACKENDS = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_AT
             ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
 
 
+LEAD_CYCLES = 4_000_000  # ~2 ms of the GPU's clock; Python took up to 0.9 ms to enqueue SDPA and its backward
+
+
 def median_ms(fn):
     for _ in range(5):
         fn()
-    times = []
+    times, enqueue_s = [], []
     for _ in range(20):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(LEAD_CYCLES)
+        t0 = time.perf_counter()
         start.record()
         fn()
         end.record()
+        enqueue_s.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    enqueue_ms = 1e3 * max(enqueue_s)
+    if enqueue_ms > 0.8 * lead_ms():
+        print(f"warning: enqueueing a call took up to {enqueue_ms:.3f} ms against a lead of {lead_ms():.3f} ms: "
+              "these times may include launch latency", flush=True)
     return statistics.median(times)
+
+
+def lead_ms(cache=[]):
+    """The lead's own duration on this GPU (measured once)."""
+    if not cache:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(LEAD_CYCLES)
+        end.record()
+        torch.cuda.synchronize()
+        cache.append(start.elapsed_time(end))
+    return cache[0]
 
 
 def main():

@@ -1,13 +1,24 @@
 // The tools' timing: a launch on the default stream timed with CUDA events, the median of 20
 // after 5 untimed (clocks ramped up, algorithms picked, kernels loaded); before each, untimed,
-// an optional `before` (memory_rate flushes L2 there).
+// an optional `before` (memory_rate flushes L2 there), then a lead: a kernel that keeps the GPU
+// busy while the host records the first event and enqueues the launch. Without it the GPU,
+// idle after the last synchronisation, records the first event at once and the interval holds
+// the host's launch latency too (the attention launcher encodes its tensor maps first: several
+// us against a 60 us kernel); with it the events time the GPU's work alone, as in a training
+// step whose launches run ahead of the GPU. tools/attention_bench.py leads PyTorch's the same way.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "engine/check.h"
+#include "kernels/spin.h"
+
+// Long enough for the slowest enqueue timed here (an attention forward and backward with their
+// tensor maps, or cuBLASLt's first lookups: tens of us).
+constexpr uint64_t kTimingLeadNs = 300'000;
 
 inline double median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -27,6 +38,7 @@ double median_event_ms(const Launch& launch, const Before& before = [] {}) {
   std::vector<float> ms(20);
   for (float& t : ms) {
     before();
+    spin(kTimingLeadNs, 0);
     CUDA_CHECK(cudaEventRecord(e0));
     launch();
     CUDA_CHECK(cudaEventRecord(e1));
