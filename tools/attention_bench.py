@@ -11,6 +11,7 @@ autograd's launch latency (tools/event_timing.h leads ./attention_rate's the sam
 FlashAttention counts them: forward 4 B H T^2 hd, backward 2.5x.
 One line per (shape, backend): RESULT sdpa backend=... shape=B,H,T,HD fwd_ms=.. bwd_ms=.. both_ms=..
 """
+import functools
 import statistics
 import sys
 import time
@@ -48,16 +49,15 @@ def median_ms(fn):
     return statistics.median(times)
 
 
-def lead_ms(cache=[]):
+@functools.lru_cache(maxsize=None)
+def lead_ms():
     """The lead's own duration on this GPU (measured once)."""
-    if not cache:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(LEAD_CYCLES)
-        end.record()
-        torch.cuda.synchronize()
-        cache.append(start.elapsed_time(end))
-    return cache[0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(LEAD_CYCLES)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
 
 
 def main():

@@ -10,7 +10,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <vector>
 
 #include "engine/check.h"
@@ -36,16 +38,22 @@ double median_event_ms(const Launch& launch, const Before& before = [] {}) {
     launch();
   }
   std::vector<float> ms(20);
+  double enqueue_ns = 0;  // the longest the host took to enqueue a timed launch
   for (float& t : ms) {
     before();
     spin(kTimingLeadNs, 0);
+    const auto t0 = std::chrono::steady_clock::now();
     CUDA_CHECK(cudaEventRecord(e0));
     launch();
     CUDA_CHECK(cudaEventRecord(e1));
+    enqueue_ns = std::max(enqueue_ns, double(std::chrono::nanoseconds(std::chrono::steady_clock::now() - t0).count()));
     CUDA_CHECK(cudaEventSynchronize(e1));
     CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
+  if (enqueue_ns > 0.8 * kTimingLeadNs)
+    std::fprintf(stderr, "warning: enqueueing a timed launch took up to %.0f us against a lead of %.0f us: the time may include launch latency\n",
+                 enqueue_ns / 1e3, kTimingLeadNs / 1e3);
   return median(ms);
 }
