@@ -1,5 +1,5 @@
 # vit_train and its tests. `make` builds vit_train and the rate tools (gemm_rate, loader_rate,
-# attention_rate, attention_trace, tma_rate, memory_rate); `make test` builds and runs
+# attention_rate, attention_trace, tma_rate, memory_rate, launch_gap); `make test` builds and runs
 # vit_tests: the CPU tier everywhere, the GPU tier where a GPU is present. The kernels are
 # written for Hopper (sm_90a); ARCH can be overridden on the command line.
 CUDA    ?= /usr/local/cuda
@@ -23,7 +23,7 @@ LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
 .PHONY: all test bench profile clean test-deps
-all: vit_train gemm_rate loader_rate attention_rate attention_trace tma_rate memory_rate
+all: vit_train gemm_rate loader_rate attention_rate attention_trace tma_rate memory_rate launch_gap
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
@@ -64,6 +64,10 @@ tma_rate: $(BUILD)/tools/tma_rate.o $(BUILD)/engine/check.o $(BUILD)/kernels/spi
 memory_rate: $(LIB_OBJ) $(BUILD)/tools/memory_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
+# What a kernel boundary costs, on a stream and inside a CUDA graph.
+launch_gap: $(BUILD)/tools/launch_gap.o $(BUILD)/engine/check.o $(BUILD)/kernels/spin.o
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
 # cuBLASLt's rate at one ViT block's GEMM shapes, through the engine's GEMM entry point.
 gemm_rate: $(LIB_OBJ) $(BUILD)/tools/gemm_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
@@ -100,6 +104,6 @@ profile: vit_train
 	  ./vit_train --steps 15 --profile-steps 10:14
 
 clean:
-	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate attention_trace tma_rate memory_rate
+	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate attention_trace tma_rate memory_rate launch_gap
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
