@@ -172,6 +172,13 @@ struct ViT::SecondStream {
   bool update_pending = false;               // an update() not yet waited for in full
   // Its GEMMs were planned (and tuned, alone) in a backward that ran them in line.
   bool tuned() const { return gemm.plans_cached() > 0; }
+  // What this stream enqueues next waits for all that `from` has enqueued so far (and, in the
+  // tests, lags lag_ns behind it).
+  void fork(cudaStream_t from) {
+    CUDA_CHECK(cudaEventRecord(forked, from));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, forked));
+    if (lag_ns) spin(lag_ns, stream);
+  }
 };
 
 // Where one backward's weight gradients run: on the critical path's stream (side null; every
@@ -184,10 +191,7 @@ struct ViT::WgradLane {
   Gemm& gemm;
   SecondStream* side;
   void fork() const {
-    if (!side) return;
-    CUDA_CHECK(cudaEventRecord(side->forked, main));
-    CUDA_CHECK(cudaStreamWaitEvent(stream, side->forked));
-    if (side->lag_ns) spin(side->lag_ns, stream);
+    if (side) side->fork(main);
   }
   void read(Lin lin) const {
     if (side) CUDA_CHECK(cudaEventRecord(side->read[lin], stream));
@@ -239,10 +243,8 @@ void ViT::update(const SgdHyper& h, bool first_step, const float* grad_norm, cud
   // The next step's begin_fp8_step clears the skip flag while this update may still read it: a
   // copy. (grad_norm is written again only after the next forward, which waits for the update.)
   if (fp8) CUDA_CHECK(cudaMemcpyAsync(second_->skip, fp8_step_non_finite_, sizeof(int), cudaMemcpyDeviceToDevice, st));
-  CUDA_CHECK(cudaEventRecord(second_->forked, st));
+  second_->fork(st);
   const cudaStream_t ss = second_->stream;
-  CUDA_CHECK(cudaStreamWaitEvent(ss, second_->forked));
-  if (second_->lag_ns) spin(second_->lag_ns, ss);
   for (int part = 0; part < cfg_.depth + 2; ++part) {
     const size_t begin = update_part_begin(part), n = update_part_begin(part + 1) - begin;
     { auto t = tm.op(OpKind::Optimizer, ss);

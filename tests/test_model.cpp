@@ -3,9 +3,9 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
-#include <deque>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <random>
 
 #include "engine/gemm.h"
