@@ -73,7 +73,9 @@ void sgd_momentum_shard(float* params, float* momentum, const float* grads, cons
 }
 
 namespace {
-__global__ void copy_ranges_kernel(const float* __restrict__ src, const FloatRange* __restrict__ ranges, Fp32Copies dsts) {
+// dsts is __grid_constant__: indexed at run time, a by-value parameter would be copied to local memory.
+__global__ void copy_ranges_kernel(const float* __restrict__ src, const FloatRange* __restrict__ ranges,
+                                   const __grid_constant__ Fp32Copies dsts) {
   const FloatRange r = ranges[blockIdx.y];
   for (size_t i = r.begin + blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < r.begin + r.count;
        i += size_t(gridDim.x) * blockDim.x) {
