@@ -94,7 +94,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
                      std::to_string(cfg.tokens()) + " tokens and head dim " + std::to_string(cfg.head_dim()) +
                      " (use --attention auto or streamed)");
   if (opts_.attention == "resident" && !attention_resident_supported(cfg.tokens(), cfg.head_dim()))
-    throw UsageError("--attention resident takes at most 256 tokens and head dim 64 or 80, on an sm_90 GPU; this model "
+    throw UsageError("--attention resident takes at most 1024 tokens and head dim 64, 80 or 128, on an sm_90 GPU; this model "
                      "has " + std::to_string(cfg.tokens()) + " tokens and head dim " + std::to_string(cfg.head_dim()) +
                      " (use --attention auto or streamed)");
   const Precision precision = opts_.precision == "fp8" ? Precision::FP8 : Precision::BF16;

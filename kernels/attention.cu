@@ -1121,7 +1121,7 @@ AttentionBackward resolve_backward(AttentionBackward kind, int T, int hd, int de
   ENSURE(single || kind != AttentionBackward::SinglePass,
          "attention_backward: the single-pass kernel takes T <= 96 and hd 16, 32, 64 or 80");
   ENSURE(resident || kind != AttentionBackward::Resident,
-         "attention_backward: the resident kernel takes hd 64 or 80 (T <= 1024), on sm_90a");
+         "attention_backward: the resident kernel takes hd 64, 80 or 128 (T <= 1024), on sm_90a");
   if (kind != AttentionBackward::Auto) return kind;
   return single ? AttentionBackward::SinglePass : resident ? AttentionBackward::Resident : AttentionBackward::Streamed;
 }
@@ -1212,10 +1212,10 @@ void attention_backward(const bf16* qkv, const bf16* out, const bf16* dout, cons
   };
   if (chosen == AttentionBackward::Resident) {
     // Past 256 tokens in key blocks: delta computed first, the dQ planes after it in the workspace.
-    const bool blocks = attention_resident_dq_plane_floats(B, T, H, hd) > 0;
+    const bool blocks = attention_resident_takes_delta(T, hd), planes = attention_resident_dq_plane_floats(B, T, H, hd) > 0;
     if (blocks) compute_delta();
     attention_backward_resident(qkv, out, dout, lse, blocks ? delta : nullptr,
-                                blocks ? delta + delta_floats_padded(B, T, H) : nullptr, dqkv, B, T, H, hd, dev, stream);
+                                planes ? delta + delta_floats_padded(B, T, H) : nullptr, dqkv, B, T, H, hd, dev, stream);
     return;
   }
   if (chosen == AttentionBackward::SinglePass) {

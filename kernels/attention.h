@@ -35,7 +35,9 @@ void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse,
 // in shared memory, dS kept there for dQ (five products instead of seven), for T <= 96 and hd 16,
 // 32, 64 or 80 (attention_single_pass_supported). Resident: the same on Hopper's warpgroup MMAs
 // with three specialised warpgroups, for hd 64 or 80 on sm_90a, T <= 256 in one CTA per (image,
-// head), up to 1024 tokens in blocks of 256 keys a CTA (attention_resident_supported;
+// head) (to 272: the keys past 256 as a narrow tile of the same CTA), up to 1024 tokens in blocks
+// of 256 keys a CTA, and for hd 128 in blocks of 128 keys up to 1024 tokens
+// (attention_resident_supported;
 // kernels/attention_resident.cu). Auto: the fastest that applies, SinglePass, then Resident, then
 // Streamed (BENCHMARKS.md 24, 33, 34).
 enum class AttentionBackward { Auto, Streamed, SinglePass, Resident };

@@ -68,6 +68,8 @@ __device__ __forceinline__ void store_4d(const CUtensorMap* map, uint32_t src, i
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Every committed bulk group of this thread has read its shared memory.
-__device__ __forceinline__ void wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// (wait_read<N>: all but the N most recent groups.)
+template <int N = 0>
+__device__ __forceinline__ void wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
 
 }  // namespace tma

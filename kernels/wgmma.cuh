@@ -81,6 +81,17 @@ struct Mma<16> {
         : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7])
         : "l"(a), "l"(b), "r"(accumulate));
   }
+  // d[O ..] (+)= A B, A [64 x 16] bf16 pairs in registers (a[4], the m16n8k16 A layout per warp), B [16 x N]
+  // MN-major (N contiguous) in shared memory (descriptor).
+  template <int O = 0, int M>
+  __device__ __forceinline__ static void rs_bt(float (&d)[M], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+    static_assert(M >= O + 8, "accumulator array too small");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 1;\n}\n"
+        : "+f"(d[O + 0]), "+f"(d[O + 1]), "+f"(d[O + 2]), "+f"(d[O + 3]), "+f"(d[O + 4]), "+f"(d[O + 5]), "+f"(d[O + 6]), "+f"(d[O + 7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
 };
 
 template <>

@@ -270,7 +270,7 @@ TEST_CASE("gpu: --attention resident trains like streamed, is auto's choice at 1
   const Run small_head = shell(kSmall + " --attention resident");  // head dim 16
   CAPTURE(small_head.out);
   CHECK(small_head.code == 2);
-  CHECK(small_head.out.find("--attention resident takes at most 256 tokens and head dim 64 or 80") != std::string::npos);
+  CHECK(small_head.out.find("--attention resident takes at most 1024 tokens and head dim 64, 80 or 128") != std::string::npos);
 }
 
 TEST_CASE("gpu: the data-parallel machinery on one rank trains exactly like the plain path; a failure stops it") {

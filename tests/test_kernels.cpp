@@ -518,10 +518,16 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
                   // warpgroups, four buffers (hd 128's 300) or two (641, 832)
                   Shape{2, 257, 2, 80}, Shape{1, 577, 2, 64}, Shape{1, 577, 1, 80}, Shape{1, 300, 1, 128},
                   Shape{1, 641, 1, 80}, Shape{1, 832, 1, 64},
-                  // the resident backward's key blocks with a last block of one narrow tile (257
-                  // above: one key): 14 keys, and 8 keys after two whole blocks (three dQ planes);
-                  // a last block of four tiles, the most key blocks (4) and query tiles (16)
-                  Shape{2, 270, 1, 80}, Shape{1, 520, 2, 64}, Shape{1, 1024, 1, 80}}) {
+                  // the resident backward past 256 tokens: 1 to 16 keys past four tiles in one CTA
+                  // (257 above, 270, 272), 17 in a key block of their own (273: two dQ planes);
+                  // key blocks with 8 keys after two whole blocks (three planes); a last block of
+                  // four tiles, the most key blocks (4) and query tiles (16)
+                  Shape{2, 270, 1, 80}, Shape{1, 272, 2, 64}, Shape{2, 273, 1, 80}, Shape{1, 520, 2, 64},
+                  Shape{1, 1024, 1, 80},
+                  // hd 128's key blocks of two tiles (the hd-128 shapes above too): one tile (key
+                  // warpgroup 2 owns none), a last block of one key, the most planes (8; 16
+                  // query tiles), and ViT shapes' 577 (five blocks, the last of two tiles)
+                  Shape{2, 17, 2, 128}, Shape{1, 129, 2, 128}, Shape{1, 1024, 1, 128}, Shape{1, 577, 1, 128}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {
@@ -560,7 +566,7 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
     CHECK(single == (s.T <= 96 && (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 80)));
     if (single) kinds.push_back(AttentionBackward::SinglePass);
     const bool resident = attention_resident_supported(s.T, s.hd);
-    CHECK(resident == (s.T <= 1024 && (s.hd == 64 || s.hd == 80)));  // past 256 in key blocks
+    CHECK(resident == (s.T <= 1024 && (s.hd == 64 || s.hd == 80 || s.hd == 128)));  // key blocks past 256, at hd 128 always
     if (resident) kinds.push_back(AttentionBackward::Resident);
     for (const AttentionBackward kind : kinds) {
       CAPTURE(static_cast<int>(kind));

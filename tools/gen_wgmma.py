@@ -8,7 +8,7 @@ these by hand). Run from the repository root: python3 tools/gen_wgmma.py > kerne
 
 SHAPES = (16, 32, 64, 80)  # N: 64 keys (S, dP; 16 or 32 in a last, partial key tile), the head dims (dQ, dK, dV)
 
-RS_SHAPES = (64, 80)  # O += P V in the forward: N = the head dim (128 as 2 x 64)
+RS_SHAPES = (16, 64, 80)  # O += P V in the forward: N = the head dim (128 as 2 x 64); dQ over the backward's extra keys (hd 80: 64 + 16)
 
 # name, transpose A, transpose B, comment
 VARIANTS = (
