@@ -527,7 +527,9 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
                   // hd 128's key blocks of two tiles (the hd-128 shapes above too): one tile (key
                   // warpgroup 2 owns none), a last block of one key, the most planes (8; 16
                   // query tiles), and ViT shapes' 577 (five blocks, the last of two tiles)
-                  Shape{2, 17, 2, 128}, Shape{1, 129, 2, 128}, Shape{1, 1024, 1, 128}, Shape{1, 577, 1, 128}}) {
+                  Shape{2, 17, 2, 128}, Shape{1, 129, 2, 128}, Shape{1, 1024, 1, 128}, Shape{1, 577, 1, 128},
+                  // 257 at hd 128: key blocks 2, 2 and one of one key
+                  Shape{2, 257, 1, 128}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
     if (!attention_unsupported_reason(s.T, s.hd).empty()) {
