@@ -8,10 +8,10 @@
 //   WG 0 (rows): per query tile i and key tile c: S = Q_i K_c^T, dP = dO_i V_c^T, P, and
 //     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots, staged in
 //     Q_i's tile once the key warpgroups are done with it, and stored by TMA.
-//   WG 1, WG 2 (keys): WG 1 + j owns key tiles 2j and 2j + 1 and accumulates dV_c += P^T dO_i and
-//     dK_c += dS^T Q_i from slot c (A = P^T, dS^T: the slot read MN-major). That is 160 fp32
-//     registers a thread, which they take from WG 0 (setmaxnreg). Before that WG 1 issues every
-//     load (key blocks: the first four query tiles'), so that WG 0 starts as soon as the first
+//   WG 1, WG 2 (keys): WG 1 + j owns key tiles 2j and 2j + 1 (at hd 128 tile j) and accumulates
+//     dV_c += P^T dO_i and dK_c += dS^T Q_i from slot c (A = P^T, dS^T: the slot read MN-major).
+//     That is 160 fp32 registers a thread at hd 80, which they take from WG 0 (setmaxnreg). Before
+//     that WG 1 issues every load (key blocks: the first query buffers'), so that WG 0 starts as soon as the first
 //     tile lands, and WG 2 computes
 //     delta = rowsum(dO * O) tile by tile (no separate kernel), O's tile t loaded with the others
 //     into slot t, which WG 0 fills only after DELTA_t. After the last query tile they stage dV in
@@ -27,11 +27,12 @@
 // (and slot t) through DELTA_t; the K tiles, after WG 0's last dQ, through DQ_DONE.
 // Key blocks (hd 64 or 80, 257 to 1024 tokens; hd 128, 1 to 1024; kKeyBlocks): a CTA per (head,
 // image, 4 key tiles; at hd 128 2, one a key warpgroup: dV and dK of a 128-column tile are 128
-// registers a thread) with the same warpgroups and layouts, its K and V loaded once, the query tiles through 4 buffers (WG 0
-// loads tile i + 4 once every warpgroup is done with tile i: the key warpgroups have no registers
-// to spare). delta comes computed (attention.cu's kernel), no O is
-// loaded, and dQ_i's part over this block's keys goes, fp32, to the block's own plane of a
-// workspace; dq_planes_sum_kernel adds the planes in order (deterministic). A CTA's key-tile count
+// registers a thread) with the same warpgroups and layouts, its K and V loaded once, the query
+// tiles through 4 buffers (WG 0 loads tile i + 4 once every warpgroup is done with tile i: the key
+// warpgroups have no registers to spare; 3 buffers beside extra keys, kExtraKeys below). delta
+// comes computed (attention.cu's kernel), no O is loaded, and dQ_i's part over this block's keys
+// goes, fp32, to the block's own plane of a workspace; dq_planes_sum_kernel adds the planes in
+// order (deterministic). A CTA's key-tile count
 // is a template argument (the whole blocks in one launch, the last in another): worked out at run
 // time, it made ptxas serialize the wgmmas. The last query tile takes the key_tile path even where
 // few_rows would apply (few_rows faulted under compute-sanitizer memcheck while the count was a
@@ -264,8 +265,8 @@ __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (que
   return uint32_t((r >> 3) * 1024 + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
 }
 
-// kKeyTiles 0: one CTA per (head, image), T <= 256. Else key blocks: this CTA's key tiles, 4 or
-// (the last block) fewer, fixed at compile time (a count worked out at run time made ptxas
+// kKeyTiles 0: one CTA per (head, image), T <= 256. Else key blocks: this CTA's key tiles,
+// block_tiles (4; 2 at hd 128) or (the last block) fewer, fixed at compile time (a count worked out at run time made ptxas
 // serialize the wgmmas, C7512), and whether it holds the last key tile; blockIdx.z + first_block
 // is the block.
 // kExtraKeys (hd 64 and 80, 257 to 272 tokens: 4 whole key tiles and 1 to 16 keys past them): the
@@ -343,8 +344,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // come by TMA, issued by its first thread; rows at or past T arrive as zeros (the tensor maps end
   // at T). lse by cp.async from its last 64 threads, 0 past T (P = 1 against zero Q and dO rows,
   // which adds nothing).
-  // Key blocks: this CTA's K and V tiles, then query tiles 0-3 (tile i + 4 issued by WG 0 once
-  // every warpgroup is done with tile i, below). A query tile's Q and dO by TMA from thread
+  // Key blocks: this CTA's K and V tiles, then query tiles 0 .. nb - 1 (tile i + nb issued by WG 0
+  // once every warpgroup is done with tile i, below; with extra keys one tile later). A query tile's Q and dO by TMA from thread
   // `issuer`, its lse and delta by cp.async from threads first .. first + 63.
   const auto load_query = [&](int i, int issuer, int first) {
     // At hd 80 (head, image) read afresh: from h and b, ptxas hoists the lse and delta addresses
@@ -656,7 +657,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // key warpgroups arrive after their products' wgmma wait). Up to 256 tokens dQ (times the
       // scale) is staged as bf16 in Q_i's tile and stored by TMA (from the fragments each warp's
       // stores touch 8 rows' 16-byte pieces: ~0.6 us a tile); key blocks write it to their plane
-      // and load query tile i + 4 into Q_i's buffer. By now the key warpgroups are mostly done:
+      // and load query tile i + nb into Q_i's buffer (extra keys: stage it, and reload the buffer
+      // before). By now the key warpgroups are mostly done:
       // their products of the last slot take less than the dQ MMAs above.
 #pragma unroll
       for (int c = 0; c < 4; ++c)
@@ -1120,7 +1122,9 @@ constexpr int extra_keys_smem_bytes(int hd) {
   return query_buffers(true) * (2 * q_bytes(hd) + 512 + 8) + 4 * (2 * q_bytes(hd) + kSlotBytes + 8) + 2 * narrow_bytes(hd) +
          2 * kExtraSlotBytes + 2 * 4 * extra_acc_floats(hd) + 8;
 }
-static_assert(extra_keys_smem_bytes(80) <= 227 * 1024, "extra keys' shared memory");
+// (attention_resident_fits checks key_block_smem_bytes, which must cover it.)
+static_assert(extra_keys_smem_bytes(64) <= key_block_smem_bytes(64) && extra_keys_smem_bytes(80) <= key_block_smem_bytes(80),
+              "extra keys' shared memory");
 bool extra_keys_apply(int T, int hd) { return (hd == 64 || hd == 80) && T > 4 * kQTile && T <= 4 * kQTile + kExtraKeysMax; }
 
 // dqkv's Q columns = the sum of the key blocks' dQ planes ([planes][B * T, H * hd] fp32), in

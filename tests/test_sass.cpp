@@ -1,8 +1,8 @@
 // The machine code of the hand-written tensor-core kernels, read back from this test binary with
 // cuobjdump: the resident attention kernels must hold warpgroup MMAs (HGMMA, wgmma), the streamed
 // and single-pass ones mma.sync (HMMA), and no kernel may touch local memory (LDL, STL: spilled
-// registers or a stack array). The build already makes ptxas refuse spills (Makefile, NO_SPILLS)
-// and serialized wgmmas (C7512, -Werror); this reads what was actually emitted. cuobjdump comes
+// registers or a stack array). The build already refuses spills (Makefile, NO_SPILLS, -Werror) and
+// serialized wgmmas (the Makefile's .cu rule reads ptxas's output); this reads what was emitted. cuobjdump comes
 // with CUDA's full toolkit (the GPU machine's); where it is missing the check is skipped.
 #include <doctest/doctest.h>
 
