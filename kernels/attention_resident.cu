@@ -1186,9 +1186,10 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
     constexpr int HD = decltype(hd_c)::value, kTiles = decltype(tiles_c)::value;
     constexpr bool kLast = decltype(last_c)::value, kExtra = decltype(extra_c)::value;
     constexpr auto kernel = &attention_backward_resident_kernel<HD, kTiles, kLast, kExtra>;
-    // The attribute is set once, for the largest; smaller launch under it.
+    // The attribute is set once, for the largest (key blocks'; the static_asserts above); smaller
+    // launch under it.
     const int smem = kExtra ? extra_keys_smem_bytes(HD) : kTiles ? key_block_smem_bytes(HD) : smem_bytes(tiles(T), HD);
-    prepare_kernel<kernel>(dev, kExtra ? extra_keys_smem_bytes(HD) : key_block_smem_bytes(HD));
+    prepare_kernel<kernel>(dev, key_block_smem_bytes(HD));
     kernel<<<dim3(H, B, count), kThreads, smem, stream>>>(
         qkv_maps.first, do_maps.first, dqkv_maps.first, qkv_maps.second, do_maps.second, dqkv_maps.second, out_maps.first,
         out_maps.second, narrow_maps.first, narrow_maps.second, lse, delta, dq_planes, dqkv, first, T, H,
