@@ -65,10 +65,13 @@ std::string usage() {
              "  --second-stream on|off on (default): the backward's weight gradients run on a second stream beside\n"
              "                         the input gradients, the optimizer beside the next forward (not under\n"
              "                         --timing); off: one stream\n"
-             "  --attention A          the attention kernels: auto (default: the fastest that apply), single-pass\n"
-             "                         (backward; T <= 96, head dim 16/32/64/80), resident (Hopper wgmma; forward:\n"
-             "                         head dim 64/80/128 up to 832/656/384 tokens, backward: head dim 64/80/128 up\n"
-             "                         to 1024) or streamed (forward and backward, any shape)\n"
+             "  --attention A          the attention kernels: auto (default: the engine's fastest that apply, or\n"
+             "                         cuDNN's fused attention in a direction where it loads and, timed at\n"
+             "                         start-up, is faster), engine (the engine's fastest, never cuDNN),\n"
+             "                         single-pass (backward; T <= 96, head dim 16/32/64/80), resident (Hopper\n"
+             "                         wgmma; forward: head dim 64/80/128 up to 832/656/384 tokens, backward: head\n"
+             "                         dim 64/80/128 up to 1024), streamed (forward and backward, any shape) or\n"
+             "                         cudnn (cuDNN's, both directions; libcudnn.so.9 from the library path)\n"
              "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
              "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
              "  --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)\n"
@@ -164,8 +167,8 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
          o.precision = v;
        }},
       {"--attention", [&](const std::string& f, const std::string& v) {
-         if (v != "auto" && v != "single-pass" && v != "resident" && v != "streamed")
-           bad("unknown " + f + " '" + v + "'; choose auto, single-pass, resident or streamed");
+         if (v != "auto" && v != "engine" && v != "single-pass" && v != "resident" && v != "streamed" && v != "cudnn")
+           bad("unknown " + f + " '" + v + "'; choose auto, engine, single-pass, resident, streamed or cudnn");
          o.attention = v;
        }},
       {"--fp8-recipe", [&](const std::string& f, const std::string& v) {

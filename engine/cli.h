@@ -26,7 +26,8 @@ struct TrainOptions {
   int comm_timeout = 300;  // seconds without a finished step before a data-parallel run gives up
   int comm_ctas = 0;  // NCCL's thread blocks at most (0: NCCL's choice)
   std::string precision = "bf16";  // or "fp8"
-  std::string attention = "auto";  // the attention backward: "auto", "single-pass" or "streamed"
+  // the attention kernels: "auto", "engine", "single-pass", "resident", "streamed" or "cudnn"
+  std::string attention = "auto";
   std::string fp8_recipe = "delayed";  // or "current"
   int amax_history = 16;
   int fp8_margin = 0;

@@ -210,6 +210,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
                                  : opts_.attention == "resident"  ? AttentionBackward::Resident
                                  : opts_.attention == "streamed"  ? AttentionBackward::Streamed
                                                                   : AttentionBackward::Auto);
+  setup_cudnn_attention();
   CUDA_CHECK(cudaMalloc(&checksums_, 2 * ctx_.world * sizeof(unsigned long long)));
   if (opts_.timing && ctx_.world > 1) CUDA_CHECK(cudaMalloc(&rank_timings_, 4 * ctx_.world * sizeof(float)));
   if (ctx_.comm) {
@@ -340,6 +341,55 @@ void Trainer::end_step(int step) {
   if (sync_ && opts_.timing && timed) sync_->collect();
 }
 
+// --attention cudnn: cuDNN's fused attention both ways. auto: timed here against the engine's own
+// choice, direction by direction (engine/attention_choice.h), where cuDNN loads; every rank
+// decides on the times summed over the ranks (one without cuDNN counts it infinitely slow), so
+// all run the same kernels. Plans, workspace and timing now, not in the first step.
+void Trainer::setup_cudnn_attention() {
+  const ViTConfig& cfg = opts_.model;
+  const int B = opts_.batch, T = cfg.tokens(), H = cfg.heads, hd = cfg.head_dim();
+  if (opts_.attention == "cudnn") {
+    cudnn_attention_ = std::make_unique<CudnnAttention>();
+    cudnn_attention_->prepare(B, T, H, hd);
+    model_->set_cudnn_attention(cudnn_attention_.get(), true, true);
+    return;
+  }
+  if (opts_.attention != "auto") return;
+  cudnn_note_ = cudnn_attention_unavailable_reason();
+  AttentionChoice& c = attention_choice_;
+  if (cudnn_note_.empty()) try {
+      cudnn_attention_ = std::make_unique<CudnnAttention>();
+      cudnn_attention_->prepare(B, T, H, hd);
+      c = time_attention(*cudnn_attention_, B, T, H, hd);
+    } catch (const RuntimeError& e) {  // no plan for the shape, or no memory for the timing's operands
+      cudnn_note_ = e.what();
+      cudaGetLastError();  // a failed allocation's error, not sticky
+    }
+  if (!cudnn_note_.empty()) {
+    cudnn_attention_.reset();
+    c = AttentionChoice{};
+    c.cudnn_forward_ms = c.cudnn_backward_ms = INFINITY;
+  }
+  if (ctx_.comm) {
+    float t[4] = {float(c.engine_forward_ms), float(c.cudnn_forward_ms), float(c.engine_backward_ms),
+                  float(c.cudnn_backward_ms)};
+    float* d = nullptr;
+    CUDA_CHECK(cudaMalloc(&d, sizeof t));
+    CUDA_CHECK(cudaMemcpy(d, t, sizeof t, cudaMemcpyHostToDevice));
+    ctx_.comm->all_reduce(d, 4, ncclFloat32, ncclSum);
+    CUDA_CHECK(cudaStreamSynchronize(ctx_.comm->stream()));
+    CUDA_CHECK(cudaMemcpy(t, d, sizeof t, cudaMemcpyDeviceToHost));
+    cudaFree(d);
+    c.engine_forward_ms = t[0], c.cudnn_forward_ms = t[1], c.engine_backward_ms = t[2], c.cudnn_backward_ms = t[3];
+    if (!std::isfinite(t[1]) && cudnn_note_.empty()) cudnn_note_ = "another rank cannot run it";
+  }
+  c.decide();
+  if (c.cudnn_forward || c.cudnn_backward)
+    model_->set_cudnn_attention(cudnn_attention_.get(), c.cudnn_forward, c.cudnn_backward);
+  else
+    cudnn_attention_.reset();
+}
+
 Trainer::~Trainer() {
   if (stream_) cudaStreamSynchronize(stream_);
   if (log_) std::fclose(log_);
@@ -381,7 +431,8 @@ void Trainer::print_summary() const {
                 "              residual stream, master weights, gradients and momentum\n");
   // Which kernels run: the ones asked for, or auto's choice (attention.h).
   const AttentionBackward auto_backward = attention_backward_auto_choice(cfg.tokens(), cfg.head_dim());
-  const char* backward = opts_.attention != "auto"                        ? opts_.attention.c_str()
+  const bool engine_auto = opts_.attention == "auto" || opts_.attention == "engine";
+  const char* backward = !engine_auto                                      ? opts_.attention.c_str()
                          : auto_backward == AttentionBackward::SinglePass ? "single-pass"
                          : auto_backward == AttentionBackward::Resident   ? "resident"
                                                                           : "streamed";
@@ -389,8 +440,23 @@ void Trainer::print_summary() const {
                         : attention_forward_auto_choice(cfg.tokens(), cfg.head_dim()) == AttentionForward::Resident
                             ? "resident"
                             : "streamed";
-  std::printf("  attention   fused, %s forward, %s backward (--attention %s)\n", forward, backward,
-              opts_.attention.c_str());
+  const AttentionChoice& ac = attention_choice_;
+  if (opts_.attention == "cudnn") {
+    std::printf("  attention   cuDNN %d's fused attention, forward and backward (backward %sdeterministic; --attention cudnn)\n",
+                CudnnAttention::version(),
+                cudnn_attention_->backward_deterministic(opts_.batch, cfg.tokens(), cfg.heads, cfg.head_dim()) ? ""
+                                                                                                               : "not ");
+  } else if (opts_.attention == "auto" && cudnn_note_.empty()) {  // timed against cuDNN's
+    std::printf("  attention   auto, timed at start-up against cuDNN %d%s, ms: forward %s %.3f, cuDNN %.3f: %s;\n"
+                "              backward %s %.3f, cuDNN %.3f: %s\n",
+                CudnnAttention::version(), ctx_.world > 1 ? " (summed over the ranks)" : "", forward,
+                ac.engine_forward_ms, ac.cudnn_forward_ms, ac.cudnn_forward ? "cuDNN" : forward, backward,
+                ac.engine_backward_ms, ac.cudnn_backward_ms, ac.cudnn_backward ? "cuDNN" : backward);
+  } else {
+    std::printf("  attention   fused, %s forward, %s backward (--attention %s)\n", forward, backward,
+                opts_.attention.c_str());
+    if (opts_.attention == "auto") std::printf("              cuDNN not considered: %s\n", cudnn_note_.c_str());
+  }
   const bool sharded = sync_ && sync_->sharded();  // the sharded optimizer keeps its own pipeline
   std::printf("  streams     %s%s\n",
               second_stream_ ? "two: the weight gradients beside the input gradients"

@@ -11,8 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "engine/attention_choice.h"
 #include "engine/cli.h"
 #include "engine/comm.h"
+#include "engine/cudnn_attention.h"
 #include "engine/data_loader.h"
 #include "engine/dataset.h"
 #include "engine/packed_loader.h"
@@ -109,6 +111,12 @@ class Trainer {
   // it is freed, also when the constructor throws).
   std::unique_ptr<GradSync> sync_;
   std::unique_ptr<Gemm> gemm_;
+  // cuDNN's fused attention where it runs (--attention cudnn, or where auto timed it faster), and
+  // auto's timing, or why cuDNN was not considered.
+  std::unique_ptr<CudnnAttention> cudnn_attention_;
+  AttentionChoice attention_choice_;
+  std::string cudnn_note_;
+  void setup_cudnn_attention();
   std::unique_ptr<OpTimer> timer_;
   cudaStream_t stream_ = nullptr;
   size_t gemm_workspace_ = 0;  // each Gemm's

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "engine/check.h"
+#include "engine/cudnn_attention.h"
 #include "engine/nvtx.h"
 #include "kernels/attention.h"
 #include "kernels/elementwise.h"
@@ -510,6 +511,19 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   }
 }
 
+void ViT::attention_fwd(const BlockActs& a, cudaStream_t st) {
+  if (cudnn_forward_) cudnn_forward_->forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st);
+  else attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st, attention_forward_);
+}
+
+void ViT::attention_bwd(const BlockActs& a, cudaStream_t st) {
+  if (cudnn_backward_)
+    cudnn_backward_->backward(a.qkv, a.attn, dattn_, a.lse, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st);
+  else
+    attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st,
+                       attention_backward_);
+}
+
 // x_mid = x + proj(attn(LN1(x))), x_out = x_mid + fc2(gelu(fc1(LN2(x_mid)))); the residual adds
 // ride in the GEMMs' epilogues, the residual stream is fp32.
 void ViT::forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
@@ -523,7 +537,7 @@ void ViT::forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer)
   { auto t = timer.op(OpKind::Gemm, st);
     gemm.linear_forward(a.ln1, pb(L[kQkv].w), pb(L[kQkv].b), nullptr, a.qkv, DType::BF16, M_, 3 * D, D, st); }
   { auto t = timer.op(OpKind::Attention, st);
-    attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st, attention_forward_); }
+    attention_fwd(a, st); }
   { auto t = timer.op(OpKind::Gemm, st);
     gemm.linear_forward(a.attn, pb(L[kProj].w), p(L[kProj].b), x, resid(2 * l + 1), DType::F32, M_, D, D, st); }
   { auto t = timer.op(OpKind::LayerNorm, st);
@@ -550,7 +564,7 @@ void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) 
     }); }
   { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kQkv, a.ln1_8, nullptr, a.qkv, DType::BF16, st); }
   { auto t = timer.op(OpKind::Attention, st);
-    attention_forward(a.qkv, a.attn, a.lse, B_, T_, cfg_.heads, cfg_.head_dim(), st, attention_forward_); }
+    attention_fwd(a, st); }
   { auto t = timer.op(OpKind::Fp8Cast, st);  // the attention output stays in bf16 for its own backward
     produce_fp8(meta(l, kProj, kInput), Fp8Kind::E4M3, x8_, a.attn8t, st,
                 [&](const Fp8Out& o) { cast_to_fp8(a.attn, M_, D, o, st); }); }
@@ -676,8 +690,7 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
   weight_grad(kProj, dmid_bf16_, a.attn, true);
   wl.before_writing(kQkv);  // dqkv_
   { auto t = timer.op(OpKind::Attention, st);
-    attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st,
-                       attention_backward_); }
+    attention_bwd(a, st); }
   { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dqkv_, pb(L[kQkv].w), dln_, M_, 3 * D, D, st); }
   wl.fork();
   weight_grad(kQkv, dqkv_, a.ln1, true);
@@ -735,8 +748,7 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer,
   wl.fork();
   weight_grad(kProj, a.attn8t);
   { auto t = timer.op(OpKind::Attention, st);
-    attention_backward(a.qkv, a.attn, dattn_, a.lse, delta_, dqkv_, B_, T_, cfg_.heads, cfg_.head_dim(), st,
-                       attention_backward_); }
+    attention_bwd(a, st); }
   output_grad(kQkv, dqkv_, 3 * D);
   { auto t = timer.op(OpKind::Gemm, st); fp8_input_grad(gemm, l, kQkv, dy8_[0], dln_, st); }
   wl.fork();

@@ -22,6 +22,8 @@
 #include "model/config.h"
 #include "model/params.h"
 
+class CudnnAttention;  // engine/cudnn_attention.h
+
 using bf16 = __nv_bfloat16;
 
 // bf16: bf16 GEMMs. fp8: the four Linear layers of every block run all three of their GEMMs in
@@ -108,6 +110,13 @@ class ViT {
   // Which attention kernels run (kernels/attention.h; Auto by default).
   void set_attention_forward(AttentionForward kind) { attention_forward_ = kind; }
   void set_attention_backward(AttentionBackward kind) { attention_backward_ = kind; }
+  // cuDNN's fused attention instead of the engine's kernels in the forward, the backward or both
+  // (each side's statistics serve the other's backward); not owned, prepared for this model's
+  // shape by the caller.
+  void set_cudnn_attention(CudnnAttention* cudnn, bool forward, bool backward) {
+    cudnn_forward_ = forward ? cudnn : nullptr;
+    cudnn_backward_ = backward ? cudnn : nullptr;
+  }
   // Data-parallel ranks whose gradients are summed: the loss gradient is divided by them too, so
   // the sum is the global batch's mean gradient.
   void set_gradient_ranks(int ranks) { gradient_ranks_ = ranks; }
@@ -183,6 +192,10 @@ class ViT {
     int w, b, n, k;  // weight [n, k] and bias [n] tensor indices
     uint8_t *w8 = nullptr, *w8t = nullptr;
   };
+  // A block's attention, forward (qkv -> attn, lse) and backward (dattn_ -> dqkv_): the engine's
+  // kernels or cuDNN's (set_cudnn_attention).
+  void attention_fwd(const BlockActs& a, cudaStream_t st);
+  void attention_bwd(const BlockActs& a, cudaStream_t st);
   void forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
   void forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
   struct SecondStream;  // set_second_stream's stream, Gemm and events (vit.cpp)
@@ -233,6 +246,7 @@ class ViT {
   float label_smoothing_ = 0.0f;
   AttentionForward attention_forward_ = AttentionForward::Auto;
   AttentionBackward attention_backward_ = AttentionBackward::Auto;
+  CudnnAttention *cudnn_forward_ = nullptr, *cudnn_backward_ = nullptr;
   int gradient_ranks_ = 1;
   unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting
   std::function<void(float*, int, cudaStream_t)> amax_reduce_;

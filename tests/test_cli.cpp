@@ -119,7 +119,10 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(parse({}).attention == "auto");
   CHECK(parse({"--attention", "streamed"}).attention == "streamed");
   CHECK(parse({"--attention", "resident"}).attention == "resident");
-  CHECK(usage_error({"--attention", "cudnn"}).find("unknown --attention 'cudnn'; choose auto, single-pass, resident or streamed") !=
+  CHECK(parse({"--attention", "cudnn"}).attention == "cudnn");
+  CHECK(parse({"--attention", "engine"}).attention == "engine");
+  CHECK(usage_error({"--attention", "flash"})
+            .find("unknown --attention 'flash'; choose auto, engine, single-pass, resident, streamed or cudnn") !=
         std::string::npos);
   CHECK(parse({}).allreduce == "auto");
   CHECK(parse({"--allreduce", "copy-engine"}).allreduce == "copy-engine");

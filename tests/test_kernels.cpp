@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 
+#include "engine/cudnn_attention.h"
 #include "kernels/attention.h"
 #include "kernels/elementwise.h"
 #include "kernels/embed.h"
@@ -603,5 +604,75 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
         }
       }
     }
+  }
+}
+
+// cuDNN's fused attention (engine/cudnn_attention.h) on the engine's layouts: where the library
+// loads, the same checks as the engine's kernels, and each side's forward statistics feeding the
+// other's backward (both are the natural-log-sum-exp of the scaled scores).
+TEST_CASE("gpu: cuDNN's fused attention against the reference") {
+  SKIP_WITHOUT_GPU();
+  const std::string why = cudnn_attention_unavailable_reason();
+  if (!why.empty()) {
+    MESSAGE("skipped: " << why);
+    mark_skipped();
+    return;
+  }
+  FRESH_RNG(rng);
+  CudnnAttention cudnn, summed(false);  // the deterministic backward graph, and the one summing dQ in fp32
+  struct Shape { int B, T, H, hd; };
+  for (Shape s : {Shape{2, 197, 2, 80}, Shape{1, 65, 2, 128}, Shape{2, 257, 1, 64}, Shape{3, 50, 1, 64},
+                  Shape{1, 577, 1, 128}, Shape{1, 17, 2, 80}}) {
+    CAPTURE(s.T);
+    CAPTURE(s.hd);
+    const int D = s.H * s.hd;
+    const size_t rows = static_cast<size_t>(s.B) * s.T;
+    const auto qkv = round_bf16(random_vec(rng, rows * 3 * D, -2, 2));
+    const auto dout = round_bf16(random_vec(rng, rows * D));
+    std::vector<double> out_ref, lse_ref, dqkv_ref;
+    ref::attention_forward(s.B, s.T, s.H, s.hd, qkv, &out_ref, &lse_ref);
+    ref::attention_backward(s.B, s.T, s.H, s.hd, qkv, dout, &dqkv_ref);
+    DeviceBuffer<bf16> dqkv_in(to_bf16(qkv)), out(rows * D), ddout(to_bf16(dout)), dqkv(rows * 3 * D);
+    DeviceBuffer<float> lse(rows * s.H), delta(attention_backward_workspace_floats(s.B, s.T, s.H, s.hd));
+    cudnn.prepare(s.B, s.T, s.H, s.hd);
+    summed.prepare(s.B, s.T, s.H, s.hd);
+    // dQ, dK, dV from a cuDNN backward (or the engine's: nullptr) after the forward of either.
+    const auto check_dqkv = [&](const char* forward, CudnnAttention* backward) {
+      CAPTURE(forward);
+      CAPTURE(backward == &summed);
+      dqkv.poison();
+      if (backward)
+        backward->backward(dqkv_in.get(), out.get(), ddout.get(), lse.get(), dqkv.get(), s.B, s.T, s.H, s.hd, 0);
+      else
+        attention_backward(dqkv_in.get(), out.get(), ddout.get(), lse.get(), delta.get(), dqkv.get(), s.B, s.T, s.H,
+                           s.hd, 0);
+      const auto got = to_f64(dqkv.download());
+      for (int part = 0; part < 3; ++part) {  // dQ, dK, dV
+        CAPTURE(part);
+        std::vector<double> a, b;
+        for (size_t r = 0; r < rows; ++r)
+          for (int c = 0; c < D; ++c) {
+            a.push_back(got[r * 3 * D + part * D + c]);
+            b.push_back(dqkv_ref[r * 3 * D + part * D + c]);
+          }
+        CHECK(rel_error(a, b) < 2e-2);
+      }
+    };
+    out.poison();
+    lse.poison();
+    cudnn.forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0);
+    CHECK(rel_error(to_f64(out.download()), out_ref) < 1e-2);
+    CHECK(rel_error(to_f64(lse.download()), lse_ref) < 1e-4);
+    check_dqkv("cuDNN's", &cudnn);
+    check_dqkv("cuDNN's", &summed);
+    check_dqkv("cuDNN's", nullptr);
+    out.poison();
+    lse.poison();
+    attention_forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0);
+    check_dqkv("the engine's", &cudnn);
+    CHECK(cudnn.backward_deterministic(s.B, s.T, s.H, s.hd));  // the deterministic graph has an engine
+    const std::string determinism = summed.backward_deterministic(s.B, s.T, s.H, s.hd) ? "deterministic" : "not deterministic";
+    MESSAGE("cuDNN " << CudnnAttention::version() << " at T " << s.T << ", hd " << s.hd << ": the summing backward "
+                     << determinism);
   }
 }

@@ -4,19 +4,25 @@
 // included); tools/attention_bench.py measures PyTorch's cuDNN and flash backends the same way.
 // Forward and backward are the default choices; where more than one kernel applies, each is also
 // timed on a line of its own.
+// cuDNN's fused attention (engine/cudnn_attention.h), where libcudnn.so.9 loads, is timed the same
+// way on the same operands and layout: the library's own yardstick, without PyTorch's layout or
+// launch path.
 // Usage: attention_rate [B H T HD ...]   (default: ViT-H/16 and ViT-H/14 at batch 64, ViT-L/16 at 384 px,
 //                                       ViT-B/16, ViT-S/16 at batch 256)
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <memory>
+#include <string>
 #include <cstdio>
 #include <utility>
 #include <vector>
 
 #include "engine/check.h"
+#include "engine/cudnn_attention.h"
 #include "kernels/attention.h"
-#include "tools/attention_operands.h"
-#include "tools/event_timing.h"
+#include "engine/attention_operands.h"
+#include "engine/event_timing.h"
 #include "tools/shape_args.h"
 
 int main(int argc, char** argv) {
@@ -25,6 +31,15 @@ int main(int argc, char** argv) {
                     {{64, 16, 197, 80}, {64, 16, 257, 80}, {32, 16, 577, 64}, {256, 12, 197, 64}, {256, 6, 197, 64}}, &shapes))
     return 2;
   try {
+    const std::string no_cudnn = cudnn_attention_unavailable_reason();
+    std::unique_ptr<CudnnAttention> cudnn, cudnn_summed;  // the deterministic backward, and dQ summed in fp32
+    if (no_cudnn.empty()) {
+      cudnn = std::make_unique<CudnnAttention>();
+      cudnn_summed = std::make_unique<CudnnAttention>(false);
+      std::printf("cuDNN %d\n", CudnnAttention::version());
+    } else {
+      std::printf("cuDNN not timed: %s\n", no_cudnn.c_str());
+    }
     std::printf("%-22s %10s %10s %10s %12s %12s\n", "B H T hd", "fwd ms", "bwd ms", "both ms", "fwd TFLOP/s",
                 "both TFLOP/s");
     for (const auto& s : shapes) {
@@ -66,6 +81,20 @@ int main(int argc, char** argv) {
           std::printf("%-22s %10.3f %10s %10s   (%s forward)\n", name, ms, "", "", label);
           std::printf("RESULT attention_fwd_%s shape=%d,%d,%d,%d fwd_ms=%.4f\n", label, B, H, T, hd, ms);
         }
+      for (CudnnAttention* c : {cudnn.get(), cudnn_summed.get()}) {
+        if (!c) continue;
+        c->prepare(B, T, H, hd);
+        const auto cf = [&] { c->forward(qkv, out, lse, B, T, H, hd, 0); };
+        const auto cb = [&] { c->backward(qkv, out, dout, lse, dqkv, B, T, H, hd, 0); };
+        cf();
+        const double f2 = median_event_ms(cf), b2 = median_event_ms(cb), both2 = median_event_ms([&] { cf(); cb(); });
+        const bool det = c->backward_deterministic(B, T, H, hd);
+        std::printf("%-22s %10.3f %10.3f %10.3f %12.1f %12.1f   (cuDNN, backward %sdeterministic; engine / cuDNN %.2f)\n",
+                    name, f2, b2, both2, flop / (f2 * 1e-3) / 1e12, 3.5 * flop / (both2 * 1e-3) / 1e12, det ? "" : "not ",
+                    both / both2);
+        std::printf("RESULT %s shape=%d,%d,%d,%d fwd_ms=%.4f bwd_ms=%.4f both_ms=%.4f deterministic=%d\n",
+                    c == cudnn.get() ? "attention_cudnn" : "attention_cudnn_summed", B, H, T, hd, f2, b2, both2, int(det));
+      }
     }
     return 0;
   } catch (const std::exception& e) {

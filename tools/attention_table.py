@@ -4,7 +4,8 @@
 Reads the RESULT lines of ./attention_rate and of tools/attention_bench.py, run in the same call on
 the same card (tools/gpu_round.sh attention does both), and prints per shape the engine's forward,
 backward and forward + backward times, each backend's, and the engine's forward + backward as a
-fraction of each backend's. Usage: tools/attention_table.py RATE_LOG BENCH_LOG
+fraction of each backend's. ./attention_rate's own cuDNN lines (cuDNN's fused attention on the
+engine's layout, engine/cudnn_attention.h, where libcudnn.so.9 loads) are the backend "cudnn@engine". Usage: tools/attention_table.py RATE_LOG BENCH_LOG
 """
 import re
 import sys
@@ -30,6 +31,8 @@ def main(argv):
         for kind, f in results(argv[1]):
             if kind == "attention":  # the default choices' line; the per-kernel lines are other kinds
                 ours[f["shape"]] = f
+            elif kind == "attention_cudnn":
+                theirs.setdefault(f["shape"], {})["cudnn@engine"] = f
         for kind, f in results(argv[2]):
             if kind == "sdpa":
                 theirs.setdefault(f["shape"], {})[f["backend"]] = f

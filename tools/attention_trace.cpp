@@ -18,7 +18,7 @@
 #include "engine/check.h"
 #include "kernels/attention.h"
 #include "kernels/attention_trace.h"
-#include "tools/attention_operands.h"
+#include "engine/attention_operands.h"
 #include "tools/shape_args.h"
 
 namespace {

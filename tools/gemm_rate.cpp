@@ -19,7 +19,7 @@
 #include "kernels/fp8.h"
 #include "kernels/random.h"
 #include "tools/block_shape_args.h"
-#include "tools/event_timing.h"
+#include "engine/event_timing.h"
 
 namespace {
 struct Product {

@@ -20,7 +20,7 @@
 #include "kernels/layernorm.h"
 #include "kernels/random.h"
 #include "tools/block_shape_args.h"
-#include "tools/event_timing.h"
+#include "engine/event_timing.h"
 
 using bf16 = __nv_bfloat16;
 

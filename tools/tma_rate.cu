@@ -23,7 +23,7 @@
 
 #include "engine/check.h"
 #include "kernels/tma.cuh"
-#include "tools/event_timing.h"
+#include "engine/event_timing.h"
 #include "tools/shape_args.h"
 
 namespace {

@@ -1,4 +1,5 @@
-// The fused attention's operands at one shape for the tools (attention_rate, attention_trace):
+// The fused attention's operands at one shape, for the tools (attention_rate, attention_trace) and
+// --attention auto's timing at start-up:
 // qkv and dout drawn from N(0, 1) as bf16, out, dqkv, lse and delta allocated; freed with the
 // object.
 #pragma once
