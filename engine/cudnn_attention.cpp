@@ -109,6 +109,7 @@ struct CudnnAttention::Plan {
   float scale = 0, one = 1;  // by-value scalars (their host addresses go in the variant pack)
   float* row_dot = nullptr;  // backward: rowsum(dO * O), [B, H, T]
   float* dq_sum = nullptr;   // backward, the accumulating graph: dQ in fp32, [B, H, T, hd]
+  size_t buffer_bytes = 0;   // of the two
 
   ~Plan() {
     for (auto d = owned.rbegin(); d != owned.rend(); ++d) api().destroy_descriptor(*d);
@@ -405,8 +406,12 @@ CudnnAttention::Plan& CudnnAttention::plan(bool backward, int B, int T, int H, i
   // Outside the step (prepare runs before it): the plan's buffers, and the shared workspace.
   CUDA_CHECK(cudaDeviceSynchronize());
   if (backward) {
-    CUDA_CHECK(cudaMalloc(&p->row_dot, size_t(B) * H * T * sizeof(float)));
-    if (!p->deterministic) CUDA_CHECK(cudaMalloc(&p->dq_sum, size_t(B) * H * T * hd * sizeof(float)));
+    p->buffer_bytes = size_t(B) * H * T * sizeof(float);
+    CUDA_CHECK(cudaMalloc(&p->row_dot, p->buffer_bytes));
+    if (!p->deterministic) {
+      CUDA_CHECK(cudaMalloc(&p->dq_sum, size_t(B) * H * T * hd * sizeof(float)));
+      p->buffer_bytes += size_t(B) * H * T * hd * sizeof(float);
+    }
   }
   if (size_t(p->workspace) > workspace_bytes_) {
     if (workspace_) CUDA_CHECK(cudaFree(workspace_));
@@ -458,6 +463,13 @@ void CudnnAttention::backward(const __nv_bfloat16* qkv, const __nv_bfloat16* out
                                  p.row_dot};
   if (p.dq_sum) uids.push_back(kDqSum), pointers.push_back(p.dq_sum);
   execute(handle_, p, uids, pointers, workspace_, stream);
+}
+
+size_t CudnnAttention::device_bytes() const {
+  size_t bytes = workspace_bytes_;
+  for (const auto* plans : {&forward_plans_, &backward_plans_})
+    for (const auto& [shape, p] : *plans) bytes += p->buffer_bytes;
+  return bytes;
 }
 
 bool CudnnAttention::backward_deterministic(int B, int T, int H, int hd) const {

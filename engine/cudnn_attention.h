@@ -44,6 +44,7 @@ class CudnnAttention {
   // atomics); prepare first.
   bool backward_deterministic(int B, int T, int H, int hd) const;
   static int version();  // cudnnGetVersion(), e.g. 91400
+  size_t device_bytes() const;  // device memory held: the workspace and the plans' own buffers
 
   struct Plan;  // one execution plan and the descriptors it owns (cudnn_attention.cpp)
 

@@ -491,6 +491,10 @@ void Trainer::print_summary() const {
   }
   std::printf("    %-42s %9.2f GiB\n", second_stream_ ? "cuBLASLt workspaces (two streams)" : "cuBLASLt workspace",
               gib(gemm_workspaces()));
+  if (cudnn_attention_) {
+    std::printf("    %-42s %9.2f GiB\n", "cuDNN attention (workspace, plans' buffers)", gib(cudnn_attention_->device_bytes()));
+    total += cudnn_attention_->device_bytes();
+  }
   std::printf("    %-42s %9.2f GiB\n", "total", gib(total));
   std::fflush(stdout);
 }

@@ -18,8 +18,8 @@
 // The forward's kernels. Streamed: mma.sync, one block per 64-query tile with the keys streamed
 // through shared memory, any T. Resident: wgmma (sm_90a), one CTA per (image, head) with K and V
 // resident, for hd 64 (T <= 832), 80 (T <= 656) or 128 (T <= 384) (attention_forward_resident_supported;
-// kernels/attention_resident.cu). Auto: Resident wherever it applies from 65 tokens on (at hd 128
-// from 129), where it is the faster (ViT's 65, 145, 197, 257 and 577 tokens), else Streamed.
+// kernels/attention_resident.cu). Auto: Resident wherever it applies from 65 tokens on, where it
+// is the faster (ViT's 65, 145, 197, 257 and 577 tokens), else Streamed.
 enum class AttentionForward { Auto, Streamed, Resident };
 bool attention_forward_resident_supported(int T, int hd);
 // The forward Auto takes at (T, hd) on the current device.

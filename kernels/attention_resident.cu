@@ -1241,10 +1241,10 @@ bool attention_forward_resident_fits(int T, int hd, int dev) {
 }
 
 bool attention_forward_resident_preferred(int T, int hd, int dev) {
-  // Faster from two tiles at hd 64 and 80; at hd 128 (one CTA an SM) from three: at two tiles the
-  // streamed forward ties (65 tokens) or wins (128) (BENCHMARKS.md 28). Past 256 tokens 23-39%
-  // faster at ViT's batches (257 and 577 tokens, BENCHMARKS.md 31).
-  return tiles(T) >= (hd == 128 ? 3 : 2) && attention_forward_resident_fits(T, hd, dev);
+  // Faster from two tiles: at hd 64 and 80 (BENCHMARKS.md 27), and at hd 128 since its kernels'
+  // later changes (11-21% at 65-128 tokens, BENCHMARKS.md 41; in 28 the streamed one tied or won
+  // there). Past 256 tokens 23-39% faster at ViT's batches (257 and 577 tokens, BENCHMARKS.md 31).
+  return tiles(T) >= 2 && attention_forward_resident_fits(T, hd, dev);
 }
 
 
