@@ -37,6 +37,18 @@ void nccl_free(void* p) {
   if (p) ncclMemFree(p);
 }
 
+// A few host values reduced over the ranks in place, at start-up (through a device buffer).
+template <class T>
+void all_reduce_host(Comm& comm, T* values, int n, ncclDataType_t type, ncclRedOp_t op) {
+  T* d = nullptr;
+  CUDA_CHECK(cudaMalloc(&d, n * sizeof(T)));
+  CUDA_CHECK(cudaMemcpy(d, values, n * sizeof(T), cudaMemcpyHostToDevice));
+  comm.all_reduce(d, n, type, op);
+  CUDA_CHECK(cudaStreamSynchronize(comm.stream()));
+  CUDA_CHECK(cudaMemcpy(values, d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  cudaFree(d);
+}
+
 constexpr size_t kGemmWorkspace = 32u << 20;  // what cuBLASLt asks for on Hopper
 constexpr int kMaxSkippedInARow = 10;            // FP8 numerics guard: then the run stops
 constexpr uint64_t kDataStream = 1ull << 40;  // random streams of the data, apart from the weights'
@@ -130,13 +142,7 @@ Trainer::Trainer(const TrainOptions& opts, WorkerContext ctx) : opts_(opts), ctx
   }
   if (ctx_.comm) {  // every rank must see the same data: the collectives of evaluation depend on it
     int counts[4] = {train_count_, test_count_, -train_count_, -test_count_};
-    int* d = nullptr;
-    CUDA_CHECK(cudaMalloc(&d, sizeof counts));
-    CUDA_CHECK(cudaMemcpy(d, counts, sizeof counts, cudaMemcpyHostToDevice));
-    ctx_.comm->all_reduce(d, 4, ncclInt32, ncclMax);
-    CUDA_CHECK(cudaStreamSynchronize(ctx_.comm->stream()));
-    CUDA_CHECK(cudaMemcpy(counts, d, sizeof counts, cudaMemcpyDeviceToHost));
-    cudaFree(d);
+    all_reduce_host(*ctx_.comm, counts, 4, ncclInt32, ncclMax);
     if (counts[0] != -counts[2] || counts[1] != -counts[3])
       throw RuntimeError("the ranks see different datasets (training images " + std::to_string(-counts[2]) + ".." +
                          std::to_string(counts[0]) + ", test images " + std::to_string(-counts[3]) + ".." +
@@ -373,13 +379,7 @@ void Trainer::setup_cudnn_attention() {
   if (ctx_.comm) {
     float t[4] = {float(c.engine_forward_ms), float(c.cudnn_forward_ms), float(c.engine_backward_ms),
                   float(c.cudnn_backward_ms)};
-    float* d = nullptr;
-    CUDA_CHECK(cudaMalloc(&d, sizeof t));
-    CUDA_CHECK(cudaMemcpy(d, t, sizeof t, cudaMemcpyHostToDevice));
-    ctx_.comm->all_reduce(d, 4, ncclFloat32, ncclSum);
-    CUDA_CHECK(cudaStreamSynchronize(ctx_.comm->stream()));
-    CUDA_CHECK(cudaMemcpy(t, d, sizeof t, cudaMemcpyDeviceToHost));
-    cudaFree(d);
+    all_reduce_host(*ctx_.comm, t, 4, ncclFloat32, ncclSum);
     c.engine_forward_ms = t[0], c.cudnn_forward_ms = t[1], c.engine_backward_ms = t[2], c.cudnn_backward_ms = t[3];
     if (!std::isfinite(t[1]) && cudnn_note_.empty()) cudnn_note_ = "another rank cannot run it";
   }

@@ -34,6 +34,34 @@ template <class T>
 std::vector<double> slice(const std::vector<T>& v, size_t begin, size_t n) {
   return std::vector<double>(v.begin() + begin, v.begin() + begin + n);
 }
+
+// One attention shape: random bf16 inputs (qkv in [-2, 2], dout in [-1, 1]), the float64
+// reference's out, lse and dqkv, and device buffers for the inputs, the outputs (poisoned) and
+// the backward's delta workspace.
+struct AttentionCase {
+  int B, T, H, hd, D;
+  size_t rows;
+  std::vector<double> qkv_h, dout_h, out_ref, lse_ref, dqkv_ref;
+  DeviceBuffer<bf16> qkv, out, dout, dqkv;
+  DeviceBuffer<float> lse, delta;
+  AttentionCase(std::mt19937_64& rng, int B_, int T_, int H_, int hd_)
+      : B(B_), T(T_), H(H_), hd(hd_), D(H_ * hd_), rows(size_t(B_) * T_),
+        qkv_h(round_bf16(random_vec(rng, rows * 3 * D, -2, 2))), dout_h(round_bf16(random_vec(rng, rows * D))),
+        qkv(to_bf16(qkv_h)), out(rows * D), dout(to_bf16(dout_h)), dqkv(rows * 3 * D), lse(rows * H),
+        delta(attention_backward_workspace_floats(B, T, H, hd)) {
+    ref::attention_forward(B, T, H, hd, qkv_h, &out_ref, &lse_ref);
+    ref::attention_backward(B, T, H, hd, qkv_h, dout_h, &dqkv_ref);
+  }
+  // Part 0, 1 or 2 (dQ, dK, dV) of a dqkv, and of the reference's.
+  std::vector<double> part(const std::vector<double>& v, int p) const {
+    std::vector<double> out_part;
+    for (size_t r = 0; r < rows; ++r) {
+      const auto row = v.begin() + r * 3 * D + p * D;
+      out_part.insert(out_part.end(), row, row + D);
+    }
+    return out_part;
+  }
+};
 }  // namespace
 
 TEST_CASE("gpu: layernorm forward and backward against the reference") {
@@ -537,16 +565,7 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
       FAIL_CHECK("unsupported: " << attention_unsupported_reason(s.T, s.hd));
       continue;
     }
-    const int D = s.H * s.hd;
-    const size_t rows = static_cast<size_t>(s.B) * s.T;
-    const auto qkv = round_bf16(random_vec(rng, rows * 3 * D, -2, 2));
-    const auto dout = round_bf16(random_vec(rng, rows * D));
-    std::vector<double> out_ref, lse_ref, dqkv_ref;
-    ref::attention_forward(s.B, s.T, s.H, s.hd, qkv, &out_ref, &lse_ref);
-    ref::attention_backward(s.B, s.T, s.H, s.hd, qkv, dout, &dqkv_ref);
-
-    DeviceBuffer<bf16> dqkv_in(to_bf16(qkv)), out(rows * D), ddout(to_bf16(dout)), dqkv(rows * 3 * D);
-    DeviceBuffer<float> lse(rows * s.H), delta(attention_backward_workspace_floats(s.B, s.T, s.H, s.hd));
+    AttentionCase c(rng, s.B, s.T, s.H, s.hd);
     // Every forward that applies, poisoned outputs each; the backward then runs on Auto's.
     const bool resident_fwd = attention_forward_resident_supported(s.T, s.hd);
     // where K and V fit in shared memory beside two Q tiles
@@ -556,11 +575,11 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
     forwards.push_back(AttentionForward::Auto);
     for (const AttentionForward kind : forwards) {
       CAPTURE(static_cast<int>(kind));
-      out.poison();
-      lse.poison();
-      attention_forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0, kind);
-      CHECK(rel_error(to_f64(out.download()), out_ref) < 1e-2);
-      CHECK(rel_error(to_f64(lse.download()), lse_ref) < 1e-4);
+      c.out.poison();
+      c.lse.poison();
+      attention_forward(c.qkv.get(), c.out.get(), c.lse.get(), s.B, s.T, s.H, s.hd, 0, kind);
+      CHECK(rel_error(to_f64(c.out.download()), c.out_ref) < 1e-2);
+      CHECK(rel_error(to_f64(c.lse.download()), c.lse_ref) < 1e-4);
     }
     // Every backward that applies (the streamed one everywhere). The resident one needs sm_90a:
     // the test machines are Hopper, and anywhere else it must say so.
@@ -573,22 +592,17 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
     if (resident) kinds.push_back(AttentionBackward::Resident);
     for (const AttentionBackward kind : kinds) {
       CAPTURE(static_cast<int>(kind));
-      dqkv.poison();
-      attention_backward(dqkv_in.get(), out.get(), ddout.get(), lse.get(), delta.get(), dqkv.get(), s.B, s.T, s.H, s.hd,
-                         0, kind);
-      const auto got = to_f64(dqkv.download());
+      c.dqkv.poison();
+      attention_backward(c.qkv.get(), c.out.get(), c.dout.get(), c.lse.get(), c.delta.get(), c.dqkv.get(), s.B, s.T, s.H,
+                         s.hd, 0, kind);
+      const auto got = to_f64(c.dqkv.download());
       // dQ, dK, dV separately: each is bf16 products of bf16-rounded P and dS. dQ and dK also
       // carry delta = rowsum(dO * O) taken from the bf16 output (as FlashAttention does); where a
       // row has very few keys, dS = P (dP - delta) is a difference of near-equal terms and that
       // rounding weighs more (2.03e-2 seen once at T = 2, against ~5e-3 at ViT lengths).
       const double tol = s.T < 8 ? 4e-2 : 2e-2;
       std::vector<double> a[3], b[3];  // dQ, dK, dV
-      for (int part = 0; part < 3; ++part)
-        for (size_t r = 0; r < rows; ++r)
-          for (int c = 0; c < D; ++c) {
-            a[part].push_back(got[r * 3 * D + part * D + c]);
-            b[part].push_back(dqkv_ref[r * 3 * D + part * D + c]);
-          }
+      for (int part = 0; part < 3; ++part) a[part] = c.part(got, part), b[part] = c.part(c.dqkv_ref, part);
       for (int part = 0; part < 3; ++part) {
         CAPTURE(part);
         if (s.T == 1 && part < 2) {
@@ -625,50 +639,36 @@ TEST_CASE("gpu: cuDNN's fused attention against the reference") {
                   Shape{1, 577, 1, 128}, Shape{1, 17, 2, 80}}) {
     CAPTURE(s.T);
     CAPTURE(s.hd);
-    const int D = s.H * s.hd;
-    const size_t rows = static_cast<size_t>(s.B) * s.T;
-    const auto qkv = round_bf16(random_vec(rng, rows * 3 * D, -2, 2));
-    const auto dout = round_bf16(random_vec(rng, rows * D));
-    std::vector<double> out_ref, lse_ref, dqkv_ref;
-    ref::attention_forward(s.B, s.T, s.H, s.hd, qkv, &out_ref, &lse_ref);
-    ref::attention_backward(s.B, s.T, s.H, s.hd, qkv, dout, &dqkv_ref);
-    DeviceBuffer<bf16> dqkv_in(to_bf16(qkv)), out(rows * D), ddout(to_bf16(dout)), dqkv(rows * 3 * D);
-    DeviceBuffer<float> lse(rows * s.H), delta(attention_backward_workspace_floats(s.B, s.T, s.H, s.hd));
+    AttentionCase c(rng, s.B, s.T, s.H, s.hd);
     cudnn.prepare(s.B, s.T, s.H, s.hd);
     summed.prepare(s.B, s.T, s.H, s.hd);
     // dQ, dK, dV from a cuDNN backward (or the engine's: nullptr) after the forward of either.
     const auto check_dqkv = [&](const char* forward, CudnnAttention* backward) {
       CAPTURE(forward);
       CAPTURE(backward == &summed);
-      dqkv.poison();
+      c.dqkv.poison();
       if (backward)
-        backward->backward(dqkv_in.get(), out.get(), ddout.get(), lse.get(), dqkv.get(), s.B, s.T, s.H, s.hd, 0);
+        backward->backward(c.qkv.get(), c.out.get(), c.dout.get(), c.lse.get(), c.dqkv.get(), s.B, s.T, s.H, s.hd, 0);
       else
-        attention_backward(dqkv_in.get(), out.get(), ddout.get(), lse.get(), delta.get(), dqkv.get(), s.B, s.T, s.H,
-                           s.hd, 0);
-      const auto got = to_f64(dqkv.download());
+        attention_backward(c.qkv.get(), c.out.get(), c.dout.get(), c.lse.get(), c.delta.get(), c.dqkv.get(), s.B, s.T,
+                           s.H, s.hd, 0);
+      const auto got = to_f64(c.dqkv.download());
       for (int part = 0; part < 3; ++part) {  // dQ, dK, dV
         CAPTURE(part);
-        std::vector<double> a, b;
-        for (size_t r = 0; r < rows; ++r)
-          for (int c = 0; c < D; ++c) {
-            a.push_back(got[r * 3 * D + part * D + c]);
-            b.push_back(dqkv_ref[r * 3 * D + part * D + c]);
-          }
-        CHECK(rel_error(a, b) < 2e-2);
+        CHECK(rel_error(c.part(got, part), c.part(c.dqkv_ref, part)) < 2e-2);
       }
     };
-    out.poison();
-    lse.poison();
-    cudnn.forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0);
-    CHECK(rel_error(to_f64(out.download()), out_ref) < 1e-2);
-    CHECK(rel_error(to_f64(lse.download()), lse_ref) < 1e-4);
+    c.out.poison();
+    c.lse.poison();
+    cudnn.forward(c.qkv.get(), c.out.get(), c.lse.get(), s.B, s.T, s.H, s.hd, 0);
+    CHECK(rel_error(to_f64(c.out.download()), c.out_ref) < 1e-2);
+    CHECK(rel_error(to_f64(c.lse.download()), c.lse_ref) < 1e-4);
     check_dqkv("cuDNN's", &cudnn);
     check_dqkv("cuDNN's", &summed);
     check_dqkv("cuDNN's", nullptr);
-    out.poison();
-    lse.poison();
-    attention_forward(dqkv_in.get(), out.get(), lse.get(), s.B, s.T, s.H, s.hd, 0);
+    c.out.poison();
+    c.lse.poison();
+    attention_forward(c.qkv.get(), c.out.get(), c.lse.get(), s.B, s.T, s.H, s.hd, 0);
     check_dqkv("the engine's", &cudnn);
     CHECK(cudnn.backward_deterministic(s.B, s.T, s.H, s.hd));  // the deterministic graph has an engine
     const std::string determinism = summed.backward_deterministic(s.B, s.T, s.H, s.hd) ? "deterministic" : "not deterministic";
