@@ -1,5 +1,8 @@
 #include "engine/cudnn_attention.h"
 
+#include "engine/check.h"
+
+#if __has_include(<cudnn_graph.h>) && !defined(VIT_WITHOUT_CUDNN)
 #include <cudnn_graph.h>
 #include <dlfcn.h>
 
@@ -10,8 +13,6 @@
 #include <mutex>
 #include <type_traits>
 #include <vector>
-
-#include "engine/check.h"
 
 namespace {
 
@@ -188,7 +189,7 @@ struct CudnnAttention::Plan {
     const cudnnBackendDescriptor_t desc = make(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
     const cudnnReduceTensorOp_t add = CUDNN_REDUCE_TENSOR_ADD;
     const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
-    const bool deterministic = false;  // as cuDNN's own frontend sets it for this graph
+    const bool deterministic = false;  // a row sum of T values
     set(desc, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &add);
     set(desc, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32);
     set(desc, CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, CUDNN_TYPE_BOOLEAN, 1, &deterministic);
@@ -264,6 +265,11 @@ std::string cudnn_attention_unavailable_reason() { return api().unavailable; }
 
 int CudnnAttention::version() { return api().unavailable.empty() ? int(api().get_version()) : 0; }
 
+std::string CudnnAttention::version_string() {
+  const int v = version();
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100);
+}
+
 CudnnAttention::CudnnAttention(bool deterministic_backward) : deterministic_backward_(deterministic_backward) {
   if (!api().unavailable.empty()) throw RuntimeError("cuDNN's fused attention: " + api().unavailable);
   cudnnHandle_t h = nullptr;
@@ -323,7 +329,7 @@ void forward_graph(CudnnAttention::Plan& p, const Layout& L, std::vector<cudnnBa
 
 // The backward as the graph of products and pointwise steps cuDNN's fused flash-attention
 // backward engines recognise (the one cuDNN's frontend builds; 9.14 lacks the one-node SDPA
-// backward, and 9.19 offers no engine for it):
+// backward, and 9.19 fails to finalize a graph of it):
 //   row_dot = rowsum(dO * O) * 1; S = Q K^T * scale; P = exp(S - stats); dV = P^T dO;
 //   dS = P (dO V^T - row_dot) * scale; dK = dS^T Q; dQ = dS K.
 // deterministic: dQ straight to bf16; else through an fp32 sum (dq_sum), which cuDNN's engines
@@ -402,7 +408,7 @@ CudnnAttention::Plan& CudnnAttention::plan(bool backward, int B, int T, int H, i
            failure;
     p.reset();
   }
-  if (!p) throw RuntimeError("cuDNN " + std::to_string(version()) + " has no plan: " + why);
+  if (!p) throw RuntimeError("cuDNN " + version_string() + " has no plan: " + why);
   // Outside the step (prepare runs before it): the plan's buffers, and the shared workspace.
   CUDA_CHECK(cudaDeviceSynchronize());
   if (backward) {
@@ -413,11 +419,11 @@ CudnnAttention::Plan& CudnnAttention::plan(bool backward, int B, int T, int H, i
       p->buffer_bytes += size_t(B) * H * T * hd * sizeof(float);
     }
   }
-  if (size_t(p->workspace) > workspace_bytes_) {
-    if (workspace_) CUDA_CHECK(cudaFree(workspace_));
-    workspace_ = nullptr, workspace_bytes_ = 0;
-    CUDA_CHECK(cudaMalloc(&workspace_, size_t(p->workspace)));
-    workspace_bytes_ = size_t(p->workspace);
+  if (size_t(p->workspace) > workspace_bytes_) {  // the new one first: a failure leaves the old in place
+    void* grown = nullptr;
+    CUDA_CHECK(cudaMalloc(&grown, size_t(p->workspace)));
+    if (workspace_) cudaFree(workspace_);
+    workspace_ = grown, workspace_bytes_ = size_t(p->workspace);
   }
   return *(plans[key] = std::move(p));
 }
@@ -477,3 +483,25 @@ bool CudnnAttention::backward_deterministic(int B, int T, int H, int hd) const {
   ENSURE(it != backward_plans_.end(), "CudnnAttention::backward_deterministic before prepare");
   return it->second->deterministic;
 }
+
+#else  // built without cuDNN's headers: the class exists, and every use says why it cannot run
+
+struct CudnnAttention::Plan {};
+std::string cudnn_attention_unavailable_reason() { return "this build has no cuDNN headers (cudnn_graph.h)"; }
+int CudnnAttention::version() { return 0; }
+std::string CudnnAttention::version_string() { return "none"; }
+CudnnAttention::CudnnAttention(bool) : deterministic_backward_(true) {
+  throw RuntimeError("cuDNN's fused attention: " + cudnn_attention_unavailable_reason());
+}
+CudnnAttention::~CudnnAttention() = default;
+void CudnnAttention::prepare(int, int, int, int) {}
+void CudnnAttention::forward(const __nv_bfloat16*, __nv_bfloat16*, float*, int, int, int, int, cudaStream_t) {}
+void CudnnAttention::backward(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const float*,
+                              __nv_bfloat16*, int, int, int, int, cudaStream_t) {}
+bool CudnnAttention::backward_deterministic(int, int, int, int) const { return true; }
+size_t CudnnAttention::device_bytes() const { return 0; }
+CudnnAttention::Plan& CudnnAttention::plan(bool, int, int, int, int) {
+  throw RuntimeError("cuDNN's fused attention: " + cudnn_attention_unavailable_reason());
+}
+
+#endif

@@ -165,7 +165,7 @@ using Run = CommandResult;
 Run shell(const std::string& cmd) { return run_command(cmd); }
 const std::string kSmall = "./vit_train --img 32 --patch 8 --channels 3 --classes 10 --dim 64 --depth 2 --heads 4 "
                            "--batch 16 --lr 0.05 --lr-schedule cosine --warmup-steps 3 --steps 20 --warmup 2 "
-                           "--log-every 1 --no-gemm-autotune";
+                           "--log-every 1 --no-gemm-autotune --attention engine";  // no choice by timing
 }  // namespace
 
 TEST_CASE("checkpoint: a resumed run's changed seed, data or schedule is found in run.txt") {

@@ -672,7 +672,7 @@ TEST_CASE("gpu: cuDNN's fused attention against the reference") {
     check_dqkv("the engine's", &cudnn);
     CHECK(cudnn.backward_deterministic(s.B, s.T, s.H, s.hd));  // the deterministic graph has an engine
     const std::string determinism = summed.backward_deterministic(s.B, s.T, s.H, s.hd) ? "deterministic" : "not deterministic";
-    MESSAGE("cuDNN " << CudnnAttention::version() << " at T " << s.T << ", hd " << s.hd << ": the summing backward "
+    MESSAGE("cuDNN " << CudnnAttention::version_string() << " at T " << s.T << ", hd " << s.hd << ": the summing backward "
                      << determinism);
   }
 }

@@ -12,17 +12,17 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <memory>
 #include <string>
-#include <cstdio>
 #include <utility>
 #include <vector>
 
+#include "engine/attention_operands.h"
 #include "engine/check.h"
 #include "engine/cudnn_attention.h"
-#include "kernels/attention.h"
-#include "engine/attention_operands.h"
 #include "engine/event_timing.h"
+#include "kernels/attention.h"
 #include "tools/shape_args.h"
 
 int main(int argc, char** argv) {
@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
     if (no_cudnn.empty()) {
       cudnn = std::make_unique<CudnnAttention>();
       cudnn_summed = std::make_unique<CudnnAttention>(false);
-      std::printf("cuDNN %d\n", CudnnAttention::version());
+      std::printf("cuDNN %s\n", CudnnAttention::version_string().c_str());
     } else {
       std::printf("cuDNN not timed: %s\n", no_cudnn.c_str());
     }
