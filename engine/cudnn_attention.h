@@ -8,8 +8,9 @@
 //
 // The library is loaded at run time (dlopen of libcudnn.so.9), not linked: vit_train starts
 // where cuDNN is not installed, and only this choice then fails, with one message naming what is
-// missing. Its headers are needed to build this (without them it builds as a stub that says so). Plans (graph, heuristics, execution plan) are built once per shape and kept; the
-// workspace the plans need is allocated with them (call prepare before the step).
+// missing. Its headers are needed to build this (without them it builds as a stub that says
+// so). Plans (graph, heuristics, execution plan) are built once per shape and kept; the workspace
+// the plans need is allocated with them (call prepare before the step).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -43,7 +44,7 @@ class CudnnAttention {
   // Whether the backward plan of this shape is deterministic (cuDNN's engines may sum dQ by
   // atomics); prepare first.
   bool backward_deterministic(int B, int T, int H, int hd) const;
-  static int version();              // cudnnGetVersion(), e.g. 91400; 0 where it does not load
+  static int version();                 // cudnnGetVersion(), e.g. 91400; 0 where it does not load
   static std::string version_string();  // "9.14"
   // cuDNN's fused backward before 9.26 is reported to return NaN at key lengths that are not a
   // multiple of 128 where a query's log-sum-exp is very negative (below about -88.7; cuDNN
