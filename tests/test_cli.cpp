@@ -4,12 +4,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
+#include "engine/attention_choice.h"
 #include "engine/check.h"
 #include "engine/cli.h"
 #include "engine/safetensors.h"
@@ -194,6 +197,21 @@ TEST_CASE("cli: a forgotten value, a flag with no effect, a directory given as a
         std::string::npos);
   CHECK(parse({"--data", data.c_str()}).data == "packed");
   REQUIRE(std::system(("rm -rf " + dir).c_str()) == 0);
+}
+
+TEST_CASE("attention choice: cuDNN only where more than 5% faster, its backward only where not excluded") {
+  const auto choose = [](double engine_f, double cudnn_f, double engine_b, double cudnn_b, bool excluded) {
+    AttentionChoice c;
+    c.engine_forward_ms = engine_f, c.cudnn_forward_ms = cudnn_f, c.engine_backward_ms = engine_b;
+    c.cudnn_backward_ms = cudnn_b, c.cudnn_backward_excluded = excluded;
+    c.decide();
+    return std::make_pair(c.cudnn_forward, c.cudnn_backward);
+  };
+  CHECK(choose(0.061, 0.084, 0.155, 0.294, false) == std::make_pair(false, false));  // ViT-H/16 (BENCHMARKS 41)
+  CHECK(choose(0.226, 0.109, 0.469, 0.375, false) == std::make_pair(true, true));    // (16, 16, 577, 128)
+  CHECK(choose(0.226, 0.109, 0.469, 0.375, true) == std::make_pair(true, false));    // a cuDNN before 9.26
+  CHECK(choose(1.0, 0.951, 1.0, 0.949, false) == std::make_pair(false, true));       // the margin's two sides
+  CHECK(choose(1.0, INFINITY, 1.0, INFINITY, false) == std::make_pair(false, false)); // a rank without cuDNN
 }
 
 TEST_CASE("model: ViT-H/16 has timm's 632,199,400 parameters in 392 tensors") {
