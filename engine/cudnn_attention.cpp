@@ -10,6 +10,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -130,6 +131,15 @@ struct CudnnAttention::Plan {
   static void link(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
     set(d, name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
   }
+  // A descriptor of type with these descriptors linked to it (null ones left unset), not yet
+  // finalized.
+  using Links = std::initializer_list<std::pair<cudnnBackendAttributeName_t, cudnnBackendDescriptor_t>>;
+  cudnnBackendDescriptor_t linked(cudnnBackendDescriptorType_t type, Links links) {
+    const cudnnBackendDescriptor_t d = make(type);
+    for (const auto& [name, value] : links)
+      if (value) link(d, name, value);
+    return d;
+  }
   // A 4-dim tensor: a user one (uid), or with uid 0 a virtual one (an intermediate of the graph).
   cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t type, const std::array<int64_t, 4>& dims,
                                   const std::array<int64_t, 4>& strides) {
@@ -159,12 +169,12 @@ struct CudnnAttention::Plan {
     set(desc, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
     set(desc, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f32);
     finalized(desc);
-    const cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+    const cudnnBackendDescriptor_t op = linked(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR,
+                                               {{CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, desc},
+                                                {CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x},
+                                                {CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b},
+                                                {CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y}});
     const float alpha = 1.0f;
-    link(op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, desc);
-    link(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
-    if (b) link(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b);
-    link(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y);
     set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, 1, &alpha);
     set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, 1, &alpha);
     return finalized(op);
@@ -177,12 +187,11 @@ struct CudnnAttention::Plan {
     set(desc, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32);
     set(desc, CUDNN_ATTR_MATMUL_PADDING_VALUE, CUDNN_TYPE_DOUBLE, 1, &padding);
     finalized(desc);
-    const cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR);
-    link(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, a);
-    link(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b);
-    link(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c);
-    link(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, desc);
-    return finalized(op);
+    return finalized(linked(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR,
+                            {{CUDNN_ATTR_OPERATION_MATMUL_ADESC, a},
+                             {CUDNN_ATTR_OPERATION_MATMUL_BDESC, b},
+                             {CUDNN_ATTR_OPERATION_MATMUL_CDESC, c},
+                             {CUDNN_ATTR_OPERATION_MATMUL_DESC, desc}}));
   }
   // y = the sum of x over its last dim.
   cudnnBackendDescriptor_t row_sum(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
@@ -194,18 +203,15 @@ struct CudnnAttention::Plan {
     set(desc, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32);
     set(desc, CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, CUDNN_TYPE_BOOLEAN, 1, &deterministic);
     finalized(desc);
-    const cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
-    link(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, desc);
-    link(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x);
-    link(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y);
-    return finalized(op);
+    return finalized(linked(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR,
+                            {{CUDNN_ATTR_OPERATION_REDUCTION_DESC, desc},
+                             {CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x},
+                             {CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y}}));
   }
   // y = x seen through y's dims and strides (a transpose, given swapped strides).
   cudnnBackendDescriptor_t reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
-    const cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
-    link(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x);
-    link(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y);
-    return finalized(op);
+    return finalized(linked(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR,
+                            {{CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x}, {CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y}}));
   }
   // The graph of ops, and the first execution plan cuDNN's heuristics (mode A) offer that
   // finalizes; false, with the reasons in why, where none does.
@@ -316,15 +322,14 @@ constexpr cudnnDataType_t kBf16 = CUDNN_DATA_BFLOAT16, kF32 = CUDNN_DATA_FLOAT;
 
 // The forward: cuDNN's fused SDPA operation (one node), out and the statistics.
 void forward_graph(CudnnAttention::Plan& p, const Layout& L, std::vector<cudnnBackendDescriptor_t>* ops) {
-  const cudnnBackendDescriptor_t op = p.make(CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR);
-  using P = CudnnAttention::Plan;
-  P::link(op, CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC, p.tensor(kQ, kBf16, L.rows(), L.qkv_strides()));
-  P::link(op, CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC, p.tensor(kK, kBf16, L.rows(), L.qkv_strides()));
-  P::link(op, CUDNN_ATTR_OPERATION_SDPA_FWD_VDESC, p.tensor(kV, kBf16, L.rows(), L.qkv_strides()));
-  P::link(op, CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC, p.tensor(kO, kBf16, L.rows(), L.out_strides()));
-  P::link(op, CUDNN_ATTR_OPERATION_SDPA_FWD_STATSDESC, p.tensor(kStats, kF32, L.stats(), L.stats_strides()));
-  P::link(op, CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC, p.scalar(kScale));
-  ops->push_back(p.finalized(op));
+  ops->push_back(p.finalized(
+      p.linked(CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR,
+               {{CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC, p.tensor(kQ, kBf16, L.rows(), L.qkv_strides())},
+                {CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC, p.tensor(kK, kBf16, L.rows(), L.qkv_strides())},
+                {CUDNN_ATTR_OPERATION_SDPA_FWD_VDESC, p.tensor(kV, kBf16, L.rows(), L.qkv_strides())},
+                {CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC, p.tensor(kO, kBf16, L.rows(), L.out_strides())},
+                {CUDNN_ATTR_OPERATION_SDPA_FWD_STATSDESC, p.tensor(kStats, kF32, L.stats(), L.stats_strides())},
+                {CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC, p.scalar(kScale)}})));
 }
 
 // The backward as the graph of products and pointwise steps cuDNN's fused flash-attention
@@ -429,9 +434,14 @@ CudnnAttention::Plan& CudnnAttention::plan(bool backward, int B, int T, int H, i
 }
 
 namespace {
-// Binds pointers to the plan's user tensors and runs it on stream.
-void execute(void* handle, const CudnnAttention::Plan& plan, const std::vector<int64_t>& uids,
-             const std::vector<void*>& pointers, void* workspace, cudaStream_t stream) {
+// The user tensors' ids in the order forward() and backward() bind their pointers (the
+// backward's last, dq_sum, only in the accumulating graph).
+constexpr int64_t kForwardUids[] = {kQ, kK, kV, kO, kStats, kScale};
+constexpr int64_t kBackwardUids[] = {kQ, kK, kV, kO, kStats, kScale, kOne, kDO, kDQ, kDK, kDV, kRowDot, kDqSum};
+
+// Binds n pointers to the plan's user tensors uids and runs it on stream.
+void execute(void* handle, const CudnnAttention::Plan& plan, const int64_t* uids, void* const* pointers, int64_t n,
+             void* workspace, cudaStream_t stream) {
   const cudnnHandle_t h = static_cast<cudnnHandle_t>(handle);
   CUDNN_CHECK(api().set_stream(h, stream));
   cudnnBackendDescriptor_t pack = nullptr;
@@ -440,10 +450,8 @@ void execute(void* handle, const CudnnAttention::Plan& plan, const std::vector<i
     cudnnBackendDescriptor_t d;
     ~Release() { api().destroy_descriptor(d); }
   } release{pack};
-  CUDNN_CHECK(api().set_attribute(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, int64_t(uids.size()),
-                                  uids.data()));
-  CUDNN_CHECK(api().set_attribute(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR,
-                                  int64_t(pointers.size()), pointers.data()));
+  CUDNN_CHECK(api().set_attribute(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, n, uids));
+  CUDNN_CHECK(api().set_attribute(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, n, pointers));
   CUDNN_CHECK(api().set_attribute(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace));
   CUDNN_CHECK(api().finalize(pack));
   CUDNN_CHECK(api().execute(h, plan.plan, pack));
@@ -455,7 +463,9 @@ void CudnnAttention::forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float
   Plan& p = plan(false, B, T, H, hd);
   const size_t D = size_t(H) * hd;
   __nv_bfloat16* q = const_cast<__nv_bfloat16*>(qkv);
-  execute(handle_, p, {kQ, kK, kV, kO, kStats, kScale}, {q, q + D, q + 2 * D, out, lse, &p.scale}, workspace_, stream);
+  void* const pointers[] = {q, q + D, q + 2 * D, out, lse, &p.scale};
+  static_assert(std::size(pointers) == std::size(kForwardUids));
+  execute(handle_, p, kForwardUids, pointers, std::size(kForwardUids), workspace_, stream);
 }
 
 void CudnnAttention::backward(const __nv_bfloat16* qkv, const __nv_bfloat16* out, const __nv_bfloat16* dout,
@@ -463,12 +473,11 @@ void CudnnAttention::backward(const __nv_bfloat16* qkv, const __nv_bfloat16* out
   Plan& p = plan(true, B, T, H, hd);
   const size_t D = size_t(H) * hd;
   __nv_bfloat16* q = const_cast<__nv_bfloat16*>(qkv);
-  std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale, kOne, kDO, kDQ, kDK, kDV, kRowDot};
-  std::vector<void*> pointers = {q, q + D, q + 2 * D, const_cast<__nv_bfloat16*>(out), const_cast<float*>(lse),
-                                 &p.scale, &p.one, const_cast<__nv_bfloat16*>(dout), dqkv, dqkv + D, dqkv + 2 * D,
-                                 p.row_dot};
-  if (p.dq_sum) uids.push_back(kDqSum), pointers.push_back(p.dq_sum);
-  execute(handle_, p, uids, pointers, workspace_, stream);
+  void* const pointers[] = {q, q + D, q + 2 * D, const_cast<__nv_bfloat16*>(out), const_cast<float*>(lse),
+                            &p.scale, &p.one, const_cast<__nv_bfloat16*>(dout), dqkv, dqkv + D, dqkv + 2 * D,
+                            p.row_dot, p.dq_sum};
+  static_assert(std::size(pointers) == std::size(kBackwardUids));
+  execute(handle_, p, kBackwardUids, pointers, std::size(kBackwardUids) - (p.dq_sum ? 0 : 1), workspace_, stream);
 }
 
 size_t CudnnAttention::device_bytes() const {
