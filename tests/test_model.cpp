@@ -320,8 +320,8 @@ TEST_CASE("gpu: training a small model on a fixed batch lowers the loss, in bf16
     int skipped = 0;
     if (precision == Precision::FP8)
       CUDA_CHECK(cudaMemcpy(&skipped, model.fp8_skipped_steps(), 4, cudaMemcpyDeviceToHost));
-    MESSAGE((precision == Precision::FP8 ? "fp8" : "bf16") << " loss on a fixed batch: step 1 " << first << ", step 40 "
-                                                          << last << ", skipped steps " << skipped);
+    MESSAGE(std::string(precision == Precision::FP8 ? "fp8" : "bf16")
+            << " loss on a fixed batch: step 1 " << first << ", step 40 " << last << ", skipped steps " << skipped);
     CHECK(std::isfinite(last));
     CHECK(last < 0.25 * first);
     CHECK(skipped == 0);
