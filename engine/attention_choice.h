@@ -2,8 +2,7 @@
 // (forward, backward) timed on this card at the model's shape at start-up, the engine's own
 // auto choice (kernels/attention.h) against cuDNN's, and cuDNN taken only where it is faster by
 // more than a margin (a near tie keeps the engine's kernels, so that the choice does not flip
-// between runs on timing noise), and its backward only from cuDNN 9.26
-// (CudnnAttention::backward_nan_risk). The engine's kernels win at head dims 64 and 80 up to
+// between runs on timing noise). The engine's kernels win at head dims 64 and 80 up to
 // several hundred tokens; cuDNN's at the padded head dims (88, 96), at head dim 128 past a few
 // hundred tokens, and in the forward at 1024 tokens (BENCHMARKS.md 41).
 #pragma once
@@ -11,13 +10,12 @@
 
 struct AttentionChoice {
   double engine_forward_ms = 0, cudnn_forward_ms = 0, engine_backward_ms = 0, cudnn_backward_ms = 0;
-  bool cudnn_backward_excluded = false;  // timed, but not taken (the library's NaN risk)
   bool cudnn_forward = false, cudnn_backward = false;  // set by decide()
   // cuDNN where its time is below (1 - kMargin) times the engine's.
   static constexpr double kMargin = 0.05;
   void decide() {
     cudnn_forward = cudnn_forward_ms < (1 - kMargin) * engine_forward_ms;
-    cudnn_backward = !cudnn_backward_excluded && cudnn_backward_ms < (1 - kMargin) * engine_backward_ms;
+    cudnn_backward = cudnn_backward_ms < (1 - kMargin) * engine_backward_ms;
   }
 };
 

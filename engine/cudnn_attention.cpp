@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <iterator>
+#include <limits>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -97,7 +98,14 @@ const CudnnApi& api() {
 
 // The user tensors' unique ids (the variant pack binds pointers to them); virtual tensors take
 // ids from kFirstVirtual on.
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kScale, kOne, kDO, kDQ, kDK, kDV, kRowDot, kDqSum, kFirstVirtual };
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kScale, kOne, kDO, kDQ, kDK, kDV, kRowDot, kSeqLenQ, kSeqLenKV, kMaskFill, kDqSum,
+  kFirstVirtual
+};
+
+struct MatmulLengths {  // a product's m, n and k, per image ([B] int32 tensors; null: the tensors' own)
+  cudnnBackendDescriptor_t m = nullptr, n = nullptr, k = nullptr;
+};
 
 }  // namespace
 
@@ -108,14 +116,18 @@ struct CudnnAttention::Plan {
   cudnnBackendDescriptor_t plan = nullptr;
   int64_t workspace = 0, next_uid = kFirstVirtual;
   bool deterministic = true;
-  float scale = 0, one = 1;  // by-value scalars (their host addresses go in the variant pack)
-  float* row_dot = nullptr;  // backward: rowsum(dO * O), [B, H, T]
-  float* dq_sum = nullptr;   // backward, the accumulating graph: dQ in fp32, [B, H, T, hd]
-  size_t buffer_bytes = 0;   // of the two
+  // by-value scalars (their host addresses go in the variant pack); mask_fill: a masked score,
+  // whose exponential is 0 (the frontend's choice before cuDNN 9.10, and right for every version)
+  float scale = 0, one = 1, mask_fill = std::numeric_limits<float>::lowest();
+  float* row_dot = nullptr;    // backward: rowsum(dO * O), [B, H, T]
+  int32_t* seq_len = nullptr;  // backward: every image's length, T, as the padding mask's [B] query and key lengths
+  float* dq_sum = nullptr;     // backward, the accumulating graph: dQ in fp32, [B, H, T, hd]
+  size_t buffer_bytes = 0;     // of the three
 
   ~Plan() {
     for (auto d = owned.rbegin(); d != owned.rend(); ++d) api().destroy_descriptor(*d);
     cudaFree(row_dot);
+    cudaFree(seq_len);
     cudaFree(dq_sum);
   }
   cudnnBackendDescriptor_t make(cudnnBackendDescriptorType_t type) {
@@ -144,7 +156,7 @@ struct CudnnAttention::Plan {
   cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t type, const std::array<int64_t, 4>& dims,
                                   const std::array<int64_t, 4>& strides) {
     const cudnnBackendDescriptor_t d = make(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
-    const bool is_virtual = uid == 0, by_value = uid == kScale || uid == kOne;
+    const bool is_virtual = uid == 0, by_value = uid == kScale || uid == kOne || uid == kMaskFill;
     const int64_t id = is_virtual ? next_uid++ : uid, alignment = 16;
     set(d, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &id);
     set(d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type);
@@ -161,26 +173,33 @@ struct CudnnAttention::Plan {
     CUDNN_CHECK(api().finalize(d));
     return d;
   }
-  // y = mode(x) or mode(x, b), in fp32.
+  // y = mode(x), mode(x, b) or, with t, mode(x, b, t), computed in precision (fp32 unless said);
+  // axis: GEN_INDEX's.
   cudnnBackendDescriptor_t pointwise(cudnnPointwiseMode_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
-                                     cudnnBackendDescriptor_t y) {
+                                     cudnnBackendDescriptor_t y, cudnnDataType_t precision = CUDNN_DATA_FLOAT,
+                                     cudnnBackendDescriptor_t t = nullptr, int64_t axis = -1) {
     const cudnnBackendDescriptor_t desc = make(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
-    const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
     set(desc, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
-    set(desc, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f32);
+    set(desc, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &precision);
+    if (axis >= 0) set(desc, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis);
     finalized(desc);
     const cudnnBackendDescriptor_t op = linked(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR,
                                                {{CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, desc},
                                                 {CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x},
                                                 {CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b},
+                                                {CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t},
                                                 {CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y}});
-    const float alpha = 1.0f;
-    set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, 1, &alpha);
-    set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, 1, &alpha);
+    if (precision == CUDNN_DATA_FLOAT) {
+      const float alpha = 1.0f;
+      set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, 1, &alpha);
+      set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, 1, &alpha);
+    }
     return finalized(op);
   }
-  // c = a b (batched over the first two dims), fp32 accumulation.
-  cudnnBackendDescriptor_t matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
+  // c = a b (batched over the first two dims), fp32 accumulation; lengths: the per-image lengths
+  // that override the product's dims m, n, k (the padding mask's), where given.
+  cudnnBackendDescriptor_t matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c,
+                                  MatmulLengths lengths = {}) {
     const cudnnBackendDescriptor_t desc = make(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
     const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
     const double padding = 0.0;
@@ -191,7 +210,10 @@ struct CudnnAttention::Plan {
                             {{CUDNN_ATTR_OPERATION_MATMUL_ADESC, a},
                              {CUDNN_ATTR_OPERATION_MATMUL_BDESC, b},
                              {CUDNN_ATTR_OPERATION_MATMUL_CDESC, c},
-                             {CUDNN_ATTR_OPERATION_MATMUL_DESC, desc}}));
+                             {CUDNN_ATTR_OPERATION_MATMUL_DESC, desc},
+                             {CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, lengths.m},
+                             {CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, lengths.n},
+                             {CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, lengths.k}}));
   }
   // y = the sum of x over its last dim.
   cudnnBackendDescriptor_t row_sum(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
@@ -335,7 +357,7 @@ void forward_graph(CudnnAttention::Plan& p, const Layout& L, std::vector<cudnnBa
 // The backward as the graph of products and pointwise steps cuDNN's fused flash-attention
 // backward engines recognise (the one cuDNN's frontend builds; 9.14 lacks the one-node SDPA
 // backward, and 9.19 fails to finalize a graph of it):
-//   row_dot = rowsum(dO * O) * 1; S = Q K^T * scale; P = exp(S - stats); dV = P^T dO;
+//   row_dot = rowsum(dO * O) * 1; S = Q K^T * scale; P = exp(mask(S - stats)); dV = P^T dO;
 //   dS = P (dO V^T - row_dot) * scale; dK = dS^T Q; dQ = dS K.
 // deterministic: dQ straight to bf16; else through an fp32 sum (dq_sum), which cuDNN's engines
 // may accumulate with atomics.
@@ -356,30 +378,52 @@ void backward_graph(CudnnAttention::Plan& p, const Layout& L, bool deterministic
   ops->push_back(p.pointwise(CUDNN_POINTWISE_MUL, dout, o, dout_o));
   ops->push_back(p.row_sum(dout_o, row_sum));
   ops->push_back(p.pointwise(CUDNN_POINTWISE_MUL, row_sum, one, row_dot));  // the pattern expects MUL, then SUB
+  // mask: the padding mask cuDNN's frontend builds (its newest form), with every length T, so it
+  // masks no real score. Without it an engine scores the padded part of its last key tile 0, and
+  // exp(0 - lse) overflows where a query's log-sum-exp is below -88.7: the NaN reported of these
+  // engines, 9.26's included (cuDNN frontend issues 160, 628 and 1072; its maintainers give this
+  // mask as the remedy, and the frontend adds it itself up to 9.15). The same lengths override the
+  // products' dims, as the frontend's do. It costs the backward 1-4% (BENCHMARKS.md 43).
+  const auto seq_q = p.tensor(kSeqLenQ, CUDNN_DATA_INT32, {L.b, 1, 1, 1}, {1, 1, 1, 1});
+  const auto seq_kv = p.tensor(kSeqLenKV, CUDNN_DATA_INT32, {L.b, 1, 1, 1}, {1, 1, 1, 1});
+  const MatmulLengths queries_by_keys{seq_q, seq_kv, nullptr}, keys_by_queries{seq_kv, nullptr, seq_q},
+      queries_over_keys{seq_q, nullptr, seq_kv};
+  const auto masked = [&](cudnnBackendDescriptor_t score) {
+    const auto index = [&] { return p.tensor(0, CUDNN_DATA_INT32, L.scores(), L.scores_strides()); };
+    const auto flags = [&] { return p.tensor(0, CUDNN_DATA_BOOLEAN, L.scores(), L.scores_strides()); };
+    const auto row = index(), column = index(), row_in = flags(), column_in = flags(), in = flags(), y = scores();
+    ops->push_back(p.pointwise(CUDNN_POINTWISE_GEN_INDEX, score, nullptr, row, CUDNN_DATA_INT32, nullptr, 2));
+    ops->push_back(p.pointwise(CUDNN_POINTWISE_GEN_INDEX, score, nullptr, column, CUDNN_DATA_INT32, nullptr, 3));
+    ops->push_back(p.pointwise(CUDNN_POINTWISE_CMP_LT, row, seq_q, row_in, CUDNN_DATA_BOOLEAN));
+    ops->push_back(p.pointwise(CUDNN_POINTWISE_CMP_LT, column, seq_kv, column_in, CUDNN_DATA_BOOLEAN));
+    ops->push_back(p.pointwise(CUDNN_POINTWISE_LOGICAL_AND, row_in, column_in, in, CUDNN_DATA_BOOLEAN));
+    ops->push_back(p.pointwise(CUDNN_POINTWISE_BINARY_SELECT, score, p.scalar(kMaskFill), y, CUDNN_DATA_FLOAT, in));
+    return y;
+  };
   const auto s = scores(), s_scaled = scores(), s_shifted = scores(), prob = scores();
-  ops->push_back(p.matmul(q, kt, s));
+  ops->push_back(p.matmul(q, kt, s, queries_by_keys));
   ops->push_back(p.pointwise(CUDNN_POINTWISE_MUL, s, scale, s_scaled));
   ops->push_back(p.pointwise(CUDNN_POINTWISE_SUB, s_scaled, stats, s_shifted));
-  ops->push_back(p.pointwise(CUDNN_POINTWISE_EXP, s_shifted, nullptr, prob));
+  ops->push_back(p.pointwise(CUDNN_POINTWISE_EXP, masked(s_shifted), nullptr, prob));
   const auto prob_t = p.tensor(0, kBf16, {L.b, L.h, L.t, L.t}, L.transposed_scores_strides());
   ops->push_back(p.reshape(prob, prob_t));
-  ops->push_back(p.matmul(prob_t, dout, p.tensor(kDV, kBf16, L.rows(), L.qkv_strides())));
+  ops->push_back(p.matmul(prob_t, dout, p.tensor(kDV, kBf16, L.rows(), L.qkv_strides()), keys_by_queries));
   const auto dp = scores(), dp_shifted = scores(), ds_unscaled = scores(), ds = scores();
-  ops->push_back(p.matmul(dout, vt, dp));
+  ops->push_back(p.matmul(dout, vt, dp, queries_by_keys));
   ops->push_back(p.pointwise(CUDNN_POINTWISE_SUB, dp, row_dot, dp_shifted));
   ops->push_back(p.pointwise(CUDNN_POINTWISE_MUL, dp_shifted, prob, ds_unscaled));
   ops->push_back(p.pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, scale, ds));
   const auto ds_t = p.tensor(0, kBf16, {L.b, L.h, L.t, L.t}, L.transposed_scores_strides());
   ops->push_back(p.reshape(ds, ds_t));
-  ops->push_back(p.matmul(ds_t, q, p.tensor(kDK, kBf16, L.rows(), L.qkv_strides())));
+  ops->push_back(p.matmul(ds_t, q, p.tensor(kDK, kBf16, L.rows(), L.qkv_strides()), keys_by_queries));
   const auto k = p.tensor(0, kF32, L.rows(), L.qkv_strides());
   ops->push_back(p.reshape(kt, k));
   const auto dq = p.tensor(kDQ, kBf16, L.rows(), L.qkv_strides());
   if (deterministic) {
-    ops->push_back(p.matmul(ds, k, dq));
+    ops->push_back(p.matmul(ds, k, dq, queries_over_keys));
   } else {
     const auto dq_sum = p.tensor(kDqSum, kF32, L.rows(), {L.h * L.t * L.d, L.t * L.d, L.d, 1});
-    ops->push_back(p.matmul(ds, k, dq_sum));
+    ops->push_back(p.matmul(ds, k, dq_sum, queries_over_keys));
     ops->push_back(p.pointwise(CUDNN_POINTWISE_IDENTITY, dq_sum, nullptr, dq));
   }
 }
@@ -417,8 +461,11 @@ CudnnAttention::Plan& CudnnAttention::plan(bool backward, int B, int T, int H, i
   // Outside the step (prepare runs before it): the plan's buffers, and the shared workspace.
   CUDA_CHECK(cudaDeviceSynchronize());
   if (backward) {
-    p->buffer_bytes = size_t(B) * H * T * sizeof(float);
-    CUDA_CHECK(cudaMalloc(&p->row_dot, p->buffer_bytes));
+    p->buffer_bytes = size_t(B) * H * T * sizeof(float) + size_t(B) * sizeof(int32_t);
+    CUDA_CHECK(cudaMalloc(&p->row_dot, size_t(B) * H * T * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&p->seq_len, size_t(B) * sizeof(int32_t)));
+    const std::vector<int32_t> lengths(size_t(B), T);
+    CUDA_CHECK(cudaMemcpy(p->seq_len, lengths.data(), lengths.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     if (!p->deterministic) {
       CUDA_CHECK(cudaMalloc(&p->dq_sum, size_t(B) * H * T * hd * sizeof(float)));
       p->buffer_bytes += size_t(B) * H * T * hd * sizeof(float);
@@ -437,7 +484,8 @@ namespace {
 // The user tensors' ids in the order forward() and backward() bind their pointers (the
 // backward's last, dq_sum, only in the accumulating graph).
 constexpr int64_t kForwardUids[] = {kQ, kK, kV, kO, kStats, kScale};
-constexpr int64_t kBackwardUids[] = {kQ, kK, kV, kO, kStats, kScale, kOne, kDO, kDQ, kDK, kDV, kRowDot, kDqSum};
+constexpr int64_t kBackwardUids[] = {kQ,  kK,  kV,  kO,      kStats,   kScale,    kOne,      kDO,
+                                     kDQ, kDK, kDV, kRowDot, kSeqLenQ, kSeqLenKV, kMaskFill, kDqSum};
 
 // Binds n pointers to the plan's user tensors uids and runs it on stream.
 void execute(void* handle, const CudnnAttention::Plan& plan, const int64_t* uids, void* const* pointers, int64_t n,
@@ -475,7 +523,7 @@ void CudnnAttention::backward(const __nv_bfloat16* qkv, const __nv_bfloat16* out
   __nv_bfloat16* q = const_cast<__nv_bfloat16*>(qkv);
   void* const pointers[] = {q, q + D, q + 2 * D, const_cast<__nv_bfloat16*>(out), const_cast<float*>(lse),
                             &p.scale, &p.one, const_cast<__nv_bfloat16*>(dout), dqkv, dqkv + D, dqkv + 2 * D,
-                            p.row_dot, p.dq_sum};
+                            p.row_dot, p.seq_len, p.seq_len, &p.mask_fill, p.dq_sum};
   static_assert(std::size(pointers) == std::size(kBackwardUids));
   execute(handle_, p, kBackwardUids, pointers, std::size(kBackwardUids) - (p.dq_sum ? 0 : 1), workspace_, stream);
 }

@@ -4,7 +4,8 @@
 // The contract is kernels/attention.h's: qkv [B*T, 3D] (Q, K, V, head h at columns h*hd..),
 // out and dout [B*T, D], lse [B, H, T] (natural-log-sum-exp of the scaled scores: cuDNN's
 // "stats" are the same quantity, so either side's forward feeds either side's backward), dqkv
-// as qkv; no mask, scale 1/sqrt(hd).
+// as qkv; no mask, scale 1/sqrt(hd). (The backward's graph carries a padding mask that masks
+// nothing: it keeps cuDNN's engines from a NaN reported of them; cudnn_attention.cpp.)
 //
 // The library is loaded at run time (dlopen of libcudnn.so.9), not linked: vit_train starts
 // where cuDNN is not installed, and only this choice then fails, with one message naming what is
@@ -46,11 +47,6 @@ class CudnnAttention {
   bool backward_deterministic(int B, int T, int H, int hd) const;
   static int version();                 // cudnnGetVersion(), e.g. 91400; 0 where it does not load
   static std::string version_string();  // "9.14"
-  // cuDNN's fused backward before 9.26 is reported to return NaN at key lengths that are not a
-  // multiple of 128 where a query's log-sum-exp is very negative (below about -88.7; cuDNN
-  // frontend issues 160 and 628; its frontend adds a padding mask there, this graph does not).
-  // auto does not take cuDNN's backward then; --attention cudnn warns.
-  static bool backward_nan_risk() { return version() < 92600; }
   size_t device_bytes() const;  // device memory held: the workspace and the plans' own buffers
 
   struct Plan;  // one execution plan and the descriptors it owns (cudnn_attention.cpp)

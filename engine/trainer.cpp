@@ -376,13 +376,11 @@ void Trainer::setup_cudnn_attention() {
     c = AttentionChoice{};
     c.cudnn_forward_ms = c.cudnn_backward_ms = INFINITY;
   }
-  c.cudnn_backward_excluded = cudnn_note_.empty() && CudnnAttention::backward_nan_risk();
   if (ctx_.comm) {
-    float t[5] = {float(c.engine_forward_ms), float(c.cudnn_forward_ms), float(c.engine_backward_ms),
-                  float(c.cudnn_backward_ms), c.cudnn_backward_excluded ? 1.0f : 0.0f};
-    all_reduce_host(*ctx_.comm, t, 5, ncclFloat32, ncclSum);
+    float t[4] = {float(c.engine_forward_ms), float(c.cudnn_forward_ms), float(c.engine_backward_ms),
+                  float(c.cudnn_backward_ms)};
+    all_reduce_host(*ctx_.comm, t, 4, ncclFloat32, ncclSum);
     c.engine_forward_ms = t[0], c.cudnn_forward_ms = t[1], c.engine_backward_ms = t[2], c.cudnn_backward_ms = t[3];
-    c.cudnn_backward_excluded = t[4] > 0;
     if (!std::isfinite(t[1]) && cudnn_note_.empty()) cudnn_note_ = "another rank cannot run it";
   }
   c.decide();
@@ -448,17 +446,12 @@ void Trainer::print_summary() const {
                 CudnnAttention::version_string().c_str(),
                 cudnn_attention_->backward_deterministic(opts_.batch, cfg.tokens(), cfg.heads, cfg.head_dim()) ? ""
                                                                                                                : "not ");
-    if (CudnnAttention::backward_nan_risk())
-      std::printf("              warning: cuDNN before 9.26 is reported to return NaN from this backward where a query's\n"
-                  "              log-sum-exp is below about -88.7 at key lengths not a multiple of 128 (engine/cudnn_attention.h)\n");
   } else if (opts_.attention == "auto" && cudnn_note_.empty()) {  // timed against cuDNN's
     std::printf("  attention   auto, timed at start-up against cuDNN %s%s, ms: forward %s %.3f, cuDNN %.3f: %s;\n"
-                "              backward %s %.3f, cuDNN %.3f%s: %s\n",
+                "              backward %s %.3f, cuDNN %.3f: %s\n",
                 CudnnAttention::version_string().c_str(), ctx_.world > 1 ? " (summed over the ranks)" : "", forward,
                 ac.engine_forward_ms, ac.cudnn_forward_ms, ac.cudnn_forward ? "cuDNN" : forward, backward,
-                ac.engine_backward_ms, ac.cudnn_backward_ms,
-                ac.cudnn_backward_excluded ? " (not taken before cuDNN 9.26: its NaN risk)" : "",
-                ac.cudnn_backward ? "cuDNN" : backward);
+                ac.engine_backward_ms, ac.cudnn_backward_ms, ac.cudnn_backward ? "cuDNN" : backward);
   } else {
     std::printf("  attention   fused, %s forward, %s backward (--attention %s)\n", forward, backward,
                 opts_.attention.c_str());

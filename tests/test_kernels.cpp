@@ -691,9 +691,9 @@ TEST_CASE("gpu: cuDNN's fused attention against the reference") {
 }
 
 // Every score of a row far below zero (log-sum-exp about -115): the engine's kernels subtract the
-// log-sum-exp before exponentiating, so nothing overflows. cuDNN's backward before 9.26 is
-// reported to return NaN here at key lengths that are not a multiple of 128 (engine/
-// cudnn_attention.h); where it does, the library must be one auto refuses the backward of.
+// log-sum-exp before exponentiating, so nothing overflows. cuDNN's fused backward is reported to
+// return NaN here where its last key tile runs past T; the padding mask in its graph
+// (engine/cudnn_attention.cpp) is the remedy, and both must give finite, correct gradients.
 TEST_CASE("gpu: attention where every score is far below zero, the engine's and cuDNN's") {
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
@@ -734,11 +734,6 @@ TEST_CASE("gpu: attention where every score is far below zero, the engine's and 
     c.out.poison(), c.lse.poison(), c.dqkv.poison();
     cudnn->forward(c.qkv.get(), c.out.get(), c.lse.get(), s.B, s.T, s.H, s.hd, 0);
     cudnn->backward(c.qkv.get(), c.out.get(), c.dout.get(), c.lse.get(), c.dqkv.get(), s.B, s.T, s.H, s.hd, 0);
-    const auto got = to_f64(c.dqkv.download());
-    const bool finite = std::all_of(got.begin(), got.end(), [](double x) { return std::isfinite(x); });
-    const std::string verdict = finite ? "finite" : "NOT finite";
-    MESSAGE("cuDNN " << CudnnAttention::version_string() << " at T " << s.T << ", hd " << s.hd << ": backward " << verdict);
-    if (finite) check("cuDNN's");
-    else CHECK(CudnnAttention::backward_nan_risk());
+    check("cuDNN " + CudnnAttention::version_string() + "'s");
   }
 }
