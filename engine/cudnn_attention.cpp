@@ -18,21 +18,25 @@
 
 namespace {
 
-// The cuDNN entry points this file calls, resolved from libcudnn.so.9 at run time (typed by the
-// header's own declarations, so a mismatch does not compile).
+// The cuDNN entry points this file calls (member, cuDNN's name), resolved from libcudnn.so.9 at
+// run time, typed by the header's own declarations (a mismatch does not compile); listed once.
+#define CUDNN_ENTRY_POINTS(X)                          \
+  X(get_version, cudnnGetVersion)                      \
+  X(error_string, cudnnGetErrorString)                 \
+  X(last_error, cudnnGetLastErrorString)               \
+  X(create, cudnnCreate)                               \
+  X(destroy, cudnnDestroy)                             \
+  X(set_stream, cudnnSetStream)                        \
+  X(create_descriptor, cudnnBackendCreateDescriptor)   \
+  X(destroy_descriptor, cudnnBackendDestroyDescriptor) \
+  X(set_attribute, cudnnBackendSetAttribute)           \
+  X(get_attribute, cudnnBackendGetAttribute)           \
+  X(finalize, cudnnBackendFinalize)                    \
+  X(execute, cudnnBackendExecute)
 struct CudnnApi {
-  decltype(&cudnnGetVersion) get_version = nullptr;
-  decltype(&cudnnGetErrorString) error_string = nullptr;
-  decltype(&cudnnGetLastErrorString) last_error = nullptr;
-  decltype(&cudnnCreate) create = nullptr;
-  decltype(&cudnnDestroy) destroy = nullptr;
-  decltype(&cudnnSetStream) set_stream = nullptr;
-  decltype(&cudnnBackendCreateDescriptor) create_descriptor = nullptr;
-  decltype(&cudnnBackendDestroyDescriptor) destroy_descriptor = nullptr;
-  decltype(&cudnnBackendSetAttribute) set_attribute = nullptr;
-  decltype(&cudnnBackendGetAttribute) get_attribute = nullptr;
-  decltype(&cudnnBackendFinalize) finalize = nullptr;
-  decltype(&cudnnBackendExecute) execute = nullptr;
+#define CUDNN_MEMBER(member, name) decltype(&name) member = nullptr;
+  CUDNN_ENTRY_POINTS(CUDNN_MEMBER)
+#undef CUDNN_MEMBER
   std::string unavailable;  // why cuDNN's fused attention cannot run here; empty where it can
 };
 
@@ -57,18 +61,10 @@ const CudnnApi& api() {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
       if (!fn && !missing) a.unavailable = std::string("libcudnn.so.9 lacks ") + name, missing = true;
     };
-    resolve(a.get_version, "cudnnGetVersion");
-    resolve(a.error_string, "cudnnGetErrorString");
-    resolve(a.last_error, "cudnnGetLastErrorString");
-    resolve(a.create, "cudnnCreate");
-    resolve(a.destroy, "cudnnDestroy");
-    resolve(a.set_stream, "cudnnSetStream");
-    resolve(a.create_descriptor, "cudnnBackendCreateDescriptor");
-    resolve(a.destroy_descriptor, "cudnnBackendDestroyDescriptor");
-    resolve(a.set_attribute, "cudnnBackendSetAttribute");
-    resolve(a.get_attribute, "cudnnBackendGetAttribute");
-    resolve(a.finalize, "cudnnBackendFinalize");
-    resolve(a.execute, "cudnnBackendExecute");
+#define CUDNN_RESOLVE(member, name) resolve(a.member, #name);
+    CUDNN_ENTRY_POINTS(CUDNN_RESOLVE)
+#undef CUDNN_RESOLVE
+#undef CUDNN_ENTRY_POINTS
     if (missing) return;
     // The fused forward is one operation (CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR), which
     // older libraries do not know (9.14 and 9.19, the versions this ran on, have it).
@@ -461,11 +457,12 @@ CudnnAttention::Plan& CudnnAttention::plan(bool backward, int B, int T, int H, i
   // Outside the step (prepare runs before it): the plan's buffers, and the shared workspace.
   CUDA_CHECK(cudaDeviceSynchronize());
   if (backward) {
-    p->buffer_bytes = size_t(B) * H * T * sizeof(float) + size_t(B) * sizeof(int32_t);
-    CUDA_CHECK(cudaMalloc(&p->row_dot, size_t(B) * H * T * sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&p->seq_len, size_t(B) * sizeof(int32_t)));
+    const size_t row_dot_bytes = size_t(B) * H * T * sizeof(float), seq_len_bytes = size_t(B) * sizeof(int32_t);
+    p->buffer_bytes = row_dot_bytes + seq_len_bytes;
+    CUDA_CHECK(cudaMalloc(&p->row_dot, row_dot_bytes));
+    CUDA_CHECK(cudaMalloc(&p->seq_len, seq_len_bytes));
     const std::vector<int32_t> lengths(size_t(B), T);
-    CUDA_CHECK(cudaMemcpy(p->seq_len, lengths.data(), lengths.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(p->seq_len, lengths.data(), seq_len_bytes, cudaMemcpyHostToDevice));
     if (!p->deterministic) {
       CUDA_CHECK(cudaMalloc(&p->dq_sum, size_t(B) * H * T * hd * sizeof(float)));
       p->buffer_bytes += size_t(B) * H * T * hd * sizeof(float);
