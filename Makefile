@@ -20,7 +20,7 @@ LDFLAGS   := $(ARCH) -L$(CUDA)/lib64 -lcublasLt -lnccl -lz -lpthread -Xlinker -r
 TEST_INCLUDES := -I/usr/include/eigen3
 
 KERNELS := $(wildcard kernels/*.cu)
-LIB_SRC := $(wildcard engine/*.cpp model/*.cpp)
+LIB_SRC := $(wildcard kernels/*.cpp model/*.cpp comm/*.cpp engine/*.cpp)
 LIB_SRC := $(filter-out engine/main.cpp,$(LIB_SRC))
 TEST_SRC := $(wildcard tests/*.cpp tests/reference/*.cpp)
 
@@ -61,7 +61,7 @@ $(TRACED_OBJ): kernels/attention_resident.cu
 	$(NVCC) $(NVCCFLAGS_TRACED) -DATTENTION_TRACE -c $< -o $@
 
 # The TMA unit's rate at the resident attention kernels' tiles, by box geometry.
-tma_rate: $(BUILD)/tools/tma_rate.o $(BUILD)/engine/check.o $(BUILD)/kernels/spin.o
+tma_rate: $(BUILD)/tools/tma_rate.o $(BUILD)/kernels/check.o $(BUILD)/kernels/spin.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 # The memory-bound kernels' rates (LayerNorm, GELU, FP8 casts) at one ViT's FP8 shapes, and the
@@ -70,7 +70,7 @@ memory_rate: $(LIB_OBJ) $(BUILD)/tools/memory_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 # What a kernel boundary costs, on a stream and inside a CUDA graph.
-launch_gap: $(BUILD)/tools/launch_gap.o $(BUILD)/engine/check.o $(BUILD)/kernels/spin.o
+launch_gap: $(BUILD)/tools/launch_gap.o $(BUILD)/kernels/check.o $(BUILD)/kernels/spin.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 # cuBLASLt's rate at one ViT block's GEMM shapes, through the engine's GEMM entry point.
@@ -99,12 +99,12 @@ $(BUILD)/%.o: %.cpp
 test-deps:
 	@tools/ensure_test_deps.sh
 
-test: test-deps vit_train vit_tests pack_images $(BUILD)/stub/engine/cudnn_attention.o
+test: test-deps vit_train vit_tests pack_images $(BUILD)/stub/kernels/cudnn_attention.o
 	./vit_tests
 
-# engine/cudnn_attention.cpp as it builds without cuDNN's headers (a stub that says so),
+# kernels/cudnn_attention.cpp as it builds without cuDNN's headers (a stub that says so),
 # compiled by `make test` so that the stub keeps building.
-$(BUILD)/stub/engine/cudnn_attention.o: engine/cudnn_attention.cpp
+$(BUILD)/stub/kernels/cudnn_attention.o: kernels/cudnn_attention.cpp
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) -DVIT_WITHOUT_CUDNN -c $< -o $@
 

@@ -1,6 +1,6 @@
 #include "engine/arena.h"
 
-#include "engine/check.h"
+#include "kernels/check.h"
 
 Arena::~Arena() {
   if (!base_) return;  // no throw from a destructor; a failure here changes nothing

@@ -14,7 +14,7 @@
 #include <sstream>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/safetensors.h"
 
 namespace fs = std::filesystem;

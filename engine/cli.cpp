@@ -11,7 +11,7 @@
 #include <map>
 #include <set>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/checkpoint.h"
 #include "engine/dataset.h"
 

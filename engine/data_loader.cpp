@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/check.h"
-#include "engine/nvtx.h"
+#include "kernels/check.h"
+#include "kernels/nvtx.h"
 #include "kernels/data.h"
 
 DataLoader::DataLoader(const ImageSet& set, int batch, float mean, float std, bool shuffle, uint64_t seed, int rank,

@@ -13,10 +13,10 @@
 #include <thread>
 #include <vector>
 
-#include "engine/check.h"
-#include "engine/comm.h"
-#include "engine/distributed.h"
-#include "engine/peer_exchange.h"
+#include "kernels/check.h"
+#include "comm/grad_sync.h"
+#include "comm/rendezvous.h"
+#include "comm/peer_group.h"
 #include "engine/trainer.h"
 
 namespace {

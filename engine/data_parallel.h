@@ -5,7 +5,7 @@
 // worker's failure; across machines, a launcher starts one such process per node or per GPU.
 #pragma once
 #include "engine/cli.h"
-#include "engine/distributed.h"
+#include "comm/rendezvous.h"
 
 // Runs the training; returns the exit code (0, 1 run-time failure, 2 bad input), having
 // printed the failure's message.

@@ -5,7 +5,7 @@
 
 #include <numeric>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 
 namespace {
 // Reads the whole file; gzread passes an uncompressed file through unchanged.

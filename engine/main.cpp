@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/cli.h"
 #include "engine/data_parallel.h"
-#include "engine/distributed.h"
+#include "comm/rendezvous.h"
 #include "engine/reference_dump.h"
 #include "engine/trainer.h"
 

@@ -11,9 +11,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/dataset.h"
-#include "engine/nvtx.h"
+#include "kernels/nvtx.h"
 #include "kernels/augment.h"
 
 namespace fs = std::filesystem;

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/safetensors.h"
 
 namespace {

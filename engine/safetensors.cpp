@@ -12,7 +12,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 
 namespace {
 [[noreturn]] void io_fail(const std::string& what, const std::string& path) {

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/checkpoint.h"
-#include "engine/nvtx.h"
+#include "kernels/nvtx.h"
 #include "kernels/attention.h"
 #include "kernels/data.h"
 #include "kernels/optimizer.h"
@@ -348,7 +348,7 @@ void Trainer::end_step(int step) {
 }
 
 // --attention cudnn: cuDNN's fused attention both ways. auto: timed here against the engine's own
-// choice, direction by direction (engine/attention_choice.h), where cuDNN loads; every rank
+// choice, direction by direction (kernels/attention_choice.h), where cuDNN loads; every rank
 // decides on the times summed over the ranks (one without cuDNN counts it infinitely slow), so
 // all run the same kernels. Plans, workspace and timing now, not in the first step.
 void Trainer::setup_cudnn_attention() {

@@ -11,16 +11,16 @@
 #include <string>
 #include <vector>
 
-#include "engine/attention_choice.h"
+#include "kernels/attention_choice.h"
 #include "engine/cli.h"
-#include "engine/comm.h"
-#include "engine/cudnn_attention.h"
+#include "comm/grad_sync.h"
+#include "kernels/cudnn_attention.h"
 #include "engine/data_loader.h"
 #include "engine/dataset.h"
 #include "engine/packed_loader.h"
-#include "engine/gemm.h"
+#include "kernels/gemm.h"
 #include "engine/schedule.h"
-#include "engine/timing.h"
+#include "kernels/op_timer.h"
 #include "model/vit.h"
 
 // A worker's place in a data-parallel run (the defaults: alone, on device 0).

@@ -26,8 +26,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "engine/check.h"
-#include "engine/nvtx.h"
+#include "kernels/check.h"
+#include "kernels/nvtx.h"
 #include "kernels/attention_common.cuh"
 #include "kernels/attention_resident.h"
 #include "kernels/common.cuh"

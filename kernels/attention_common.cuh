@@ -10,7 +10,7 @@
 #include <mutex>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/approx_math.h"
 #include "kernels/common.cuh"
 

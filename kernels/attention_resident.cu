@@ -55,7 +55,7 @@
 #include <string>
 #include <utility>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/attention_common.cuh"
 #include "kernels/attention_trace.h"
 #include "kernels/common.cuh"

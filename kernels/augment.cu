@@ -1,7 +1,7 @@
 #include <cmath>
 
-#include "engine/check.h"
-#include "engine/nvtx.h"
+#include "kernels/check.h"
+#include "kernels/nvtx.h"
 #include "kernels/augment.h"
 
 namespace {

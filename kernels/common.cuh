@@ -8,7 +8,7 @@
 #include <mutex>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 
 using bf16 = __nv_bfloat16;
 

@@ -1,5 +1,5 @@
-#include "engine/check.h"
-#include "engine/nvtx.h"
+#include "kernels/check.h"
+#include "kernels/nvtx.h"
 #include "kernels/common.cuh"
 #include "kernels/elementwise.h"
 #include "kernels/fp8_tile.cuh"

@@ -1,5 +1,5 @@
-#include "engine/check.h"
-#include "engine/nvtx.h"
+#include "kernels/check.h"
+#include "kernels/nvtx.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_tile.cuh"
 #include "kernels/reduce.h"

@@ -1,6 +1,6 @@
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/preload.h"
 
 namespace {

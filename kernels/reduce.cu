@@ -1,7 +1,7 @@
 #include <algorithm>
 
-#include "engine/check.h"
-#include "engine/nvtx.h"
+#include "kernels/check.h"
+#include "kernels/nvtx.h"
 #include "kernels/common.cuh"
 #include "kernels/reduce.h"
 #include "kernels/preload.h"

@@ -1,4 +1,4 @@
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/spin.h"
 
 namespace {

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 
 namespace tma {
 

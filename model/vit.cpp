@@ -4,9 +4,9 @@
 #include <cmath>
 #include <string>
 
-#include "engine/check.h"
-#include "engine/cudnn_attention.h"
-#include "engine/nvtx.h"
+#include "kernels/check.h"
+#include "kernels/cudnn_attention.h"
+#include "kernels/nvtx.h"
 #include "kernels/attention.h"
 #include "kernels/elementwise.h"
 #include "kernels/embed.h"

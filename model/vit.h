@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "engine/arena.h"
-#include "engine/gemm.h"
-#include "engine/timing.h"
+#include "kernels/gemm.h"
+#include "kernels/op_timer.h"
 #include "kernels/attention.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_scaling.h"
@@ -22,7 +22,7 @@
 #include "model/config.h"
 #include "model/params.h"
 
-class CudnnAttention;  // engine/cudnn_attention.h
+class CudnnAttention;  // kernels/cudnn_attention.h
 
 using bf16 = __nv_bfloat16;
 

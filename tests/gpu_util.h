@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 
 // n elements from device memory, after everything queued on the device.
 template <class T>

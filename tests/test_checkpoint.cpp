@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/checkpoint.h"
 #include "engine/safetensors.h"
 #include "tests/harness.h"

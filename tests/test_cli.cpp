@@ -12,8 +12,8 @@
 #include <sstream>
 #include <utility>
 
-#include "engine/attention_choice.h"
-#include "engine/check.h"
+#include "kernels/attention_choice.h"
+#include "kernels/check.h"
 #include "engine/cli.h"
 #include "engine/safetensors.h"
 #include "model/params.h"

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/cli.h"
 #include "engine/data_loader.h"
 #include "engine/dataset.h"

@@ -25,8 +25,8 @@
 #include <thread>
 #include <vector>
 
-#include "engine/check.h"
-#include "engine/distributed.h"
+#include "kernels/check.h"
+#include "comm/rendezvous.h"
 #include "tests/harness.h"
 #include "tests/idx_files.h"
 #include "tests/shell.h"

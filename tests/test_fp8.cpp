@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "engine/gemm.h"
+#include "kernels/gemm.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_scaling.h"
 #include "tests/gpu_util.h"

@@ -8,7 +8,7 @@
 #include <memory>
 #include <random>
 
-#include "engine/cudnn_attention.h"
+#include "kernels/cudnn_attention.h"
 #include "kernels/attention.h"
 #include "kernels/elementwise.h"
 #include "kernels/embed.h"
@@ -634,7 +634,7 @@ TEST_CASE("gpu: fused attention forward and backward against the reference") {
   }
 }
 
-// cuDNN's fused attention (engine/cudnn_attention.h) on the engine's layouts: where the library
+// cuDNN's fused attention (kernels/cudnn_attention.h) on the engine's layouts: where the library
 // loads, the same checks as the engine's kernels, and each side's forward statistics feeding the
 // other's backward (both are the natural-log-sum-exp of the scaled scores).
 TEST_CASE("gpu: cuDNN's fused attention against the reference") {

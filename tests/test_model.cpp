@@ -8,7 +8,7 @@
 #include <deque>
 #include <random>
 
-#include "engine/gemm.h"
+#include "kernels/gemm.h"
 #include "kernels/optimizer.h"
 #include "kernels/reduce.h"
 #include "model/vit.h"

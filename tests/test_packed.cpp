@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/packed_loader.h"
 #include "kernels/augment.h"
 #include "tests/gpu_util.h"

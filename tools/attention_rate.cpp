@@ -4,7 +4,7 @@
 // included); tools/attention_bench.py measures PyTorch's cuDNN and flash backends the same way.
 // Forward and backward are the default choices; where more than one kernel applies, each is also
 // timed on a line of its own.
-// cuDNN's fused attention (engine/cudnn_attention.h), where libcudnn.so.9 loads, is timed the same
+// cuDNN's fused attention (kernels/cudnn_attention.h), where libcudnn.so.9 loads, is timed the same
 // way on the same operands and layout: the library's own yardstick, without PyTorch's layout or
 // launch path.
 // Usage: attention_rate [B H T HD ...]   (default: ViT-H/16 and ViT-H/14 at batch 64, ViT-L/16 at 384 px,
@@ -18,10 +18,10 @@
 #include <utility>
 #include <vector>
 
-#include "engine/attention_operands.h"
-#include "engine/check.h"
-#include "engine/cudnn_attention.h"
-#include "engine/event_timing.h"
+#include "kernels/attention_operands.h"
+#include "kernels/check.h"
+#include "kernels/cudnn_attention.h"
+#include "kernels/event_timing.h"
 #include "kernels/attention.h"
 #include "tools/shape_args.h"
 

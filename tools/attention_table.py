@@ -5,7 +5,7 @@ Reads the RESULT lines of ./attention_rate and of tools/attention_bench.py, run 
 the same card (tools/gpu_round.sh attention does both), and prints per shape the engine's forward,
 backward and forward + backward times, each backend's, and the engine's forward + backward as a
 fraction of each backend's. ./attention_rate's own cuDNN lines (cuDNN's fused attention on the
-engine's layout, engine/cudnn_attention.h, where libcudnn.so.9 loads) are the backend
+engine's layout, kernels/cudnn_attention.h, where libcudnn.so.9 loads) are the backend
 "cudnn@engine". Usage: tools/attention_table.py RATE_LOG BENCH_LOG
 """
 import re

@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/attention.h"
 #include "kernels/attention_trace.h"
-#include "engine/attention_operands.h"
+#include "kernels/attention_operands.h"
 #include "tools/shape_args.h"
 
 namespace {

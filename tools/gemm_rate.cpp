@@ -13,13 +13,13 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
-#include "engine/gemm.h"
+#include "kernels/check.h"
+#include "kernels/gemm.h"
 #include "kernels/elementwise.h"
 #include "kernels/fp8.h"
 #include "kernels/random.h"
 #include "tools/block_shape_args.h"
-#include "engine/event_timing.h"
+#include "kernels/event_timing.h"
 
 namespace {
 struct Product {

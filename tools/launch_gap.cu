@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <exception>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/spin.h"
 
 namespace {

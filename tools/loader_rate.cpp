@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "engine/packed_format.h"
 #include "engine/packed_loader.h"
 

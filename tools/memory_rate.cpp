@@ -14,13 +14,13 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/elementwise.h"
 #include "kernels/fp8.h"
 #include "kernels/layernorm.h"
 #include "kernels/random.h"
 #include "tools/block_shape_args.h"
-#include "engine/event_timing.h"
+#include "kernels/event_timing.h"
 
 using bf16 = __nv_bfloat16;
 

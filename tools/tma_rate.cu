@@ -21,9 +21,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/tma.cuh"
-#include "engine/event_timing.h"
+#include "kernels/event_timing.h"
 #include "tools/shape_args.h"
 
 namespace {

@@ -5,7 +5,7 @@
 #pragma once
 #include <cuda_bf16.h>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/attention.h"
 #include "kernels/elementwise.h"
 #include "kernels/random.h"

@@ -1,6 +1,6 @@
-#include "engine/cudnn_attention.h"
+#include "kernels/cudnn_attention.h"
 
-#include "engine/check.h"
+#include "kernels/check.h"
 
 #if __has_include(<cudnn_graph.h>) && !defined(VIT_WITHOUT_CUDNN)
 #include <cudnn_graph.h>

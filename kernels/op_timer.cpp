@@ -1,8 +1,8 @@
-#include "engine/timing.h"
+#include "kernels/op_timer.h"
 
 #include <cstdio>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 
 namespace {
 const char* kOpNames[] = {"GEMM (cuBLASLt)", "FP8 casts", "bias grads", "attention", "LayerNorm", "GELU",

@@ -1,4 +1,4 @@
-#include "engine/distributed.h"
+#include "comm/rendezvous.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -13,7 +13,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 
 namespace {
 using Clock = std::chrono::steady_clock;

@@ -6,7 +6,7 @@
 // several hundred tokens; cuDNN's at the padded head dims (88, 96), at head dim 128 past a few
 // hundred tokens, and in the forward at 1024 tokens (BENCHMARKS.md 41).
 #pragma once
-#include "engine/cudnn_attention.h"
+#include "kernels/cudnn_attention.h"
 
 struct AttentionChoice {
   double engine_forward_ms = 0, cudnn_forward_ms = 0, engine_backward_ms = 0, cudnn_backward_ms = 0;
@@ -20,7 +20,7 @@ struct AttentionChoice {
 };
 
 // Both sides' times on fresh random operands of the shape (median of 20 after 5, as the rate
-// tools time: engine/event_timing.h); allocates the operands for the call, frees them, and
+// tools time: kernels/event_timing.h); allocates the operands for the call, frees them, and
 // synchronises. cuDNN's plans must be prepared. decide() is left to the caller (the ranks sum
 // their times first, so that every rank decides alike).
 AttentionChoice time_attention(CudnnAttention& cudnn, int B, int T, int H, int hd);

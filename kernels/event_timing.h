@@ -16,7 +16,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "engine/check.h"
+#include "kernels/check.h"
 #include "kernels/spin.h"
 
 // Long enough for the slowest enqueue timed here (an attention forward and backward with their

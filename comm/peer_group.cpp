@@ -1,10 +1,10 @@
-#include "engine/peer_exchange.h"
+#include "comm/peer_group.h"
 
 #include <algorithm>
 #include <chrono>
 
-#include "engine/check.h"
-#include "engine/comm.h"
+#include "kernels/check.h"
+#include "comm/communicator.h"
 
 namespace {
 constexpr auto kPoll = std::chrono::milliseconds(50);  // how often a host wait looks for an abort

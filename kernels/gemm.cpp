@@ -1,12 +1,12 @@
-#include "engine/gemm.h"
+#include "kernels/gemm.h"
 
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "engine/check.h"
-#include "engine/nvtx.h"
+#include "kernels/check.h"
+#include "kernels/nvtx.h"
 
 namespace {
 cudaDataType_t cuda_type(DType t) {

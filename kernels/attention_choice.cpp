@@ -1,7 +1,7 @@
-#include "engine/attention_choice.h"
+#include "kernels/attention_choice.h"
 
-#include "engine/attention_operands.h"
-#include "engine/event_timing.h"
+#include "kernels/attention_operands.h"
+#include "kernels/event_timing.h"
 #include "kernels/attention.h"
 
 AttentionChoice time_attention(CudnnAttention& cudnn, int B, int T, int H, int hd) {
