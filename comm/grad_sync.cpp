@@ -65,6 +65,12 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
     state.grads = grads;
     self_ = &peers->join(comm.rank(), shard ? *shard : state, slot_floats_, static_cast<int>(buckets_.size()), comm);
   }
+  if (sharded_) {  // in the order the next forward reads the weights: the last bucket holds the first ones
+    for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) {
+      const size_t begin = share_begin(*b, comm.rank()), n = share_end(*b, comm.rank()) - begin;
+      if (n) shares_.push_back({begin, n, self_->receive + b->slot, slot_floats_, comm.world() - 1});
+    }
+  }
 }
 
 GradSync::~GradSync() {
@@ -247,40 +253,31 @@ void GradSync::set_fp32_read_ranges(const std::vector<std::pair<size_t, size_t>>
   fp32_read_count_ = static_cast<int>(own.size());
 }
 
-void GradSync::optimizer_step(const SgdHyper& h, bool first_step, const int* skip) {
-  ENSURE(sharded_ && fp32_read_count_ >= 0,
-         "GradSync::optimizer_step: the optimizer is not sharded, or the fp32-read ranges were not set");
-  NvtxRange range("sharded optimizer: own shares, bf16 weights copied to every rank");
-  const int me = comm_.rank(), world = comm_.world();
-  const PeerGroup::State& own = self_->state;
-  // In the order the next forward reads the weights (the last bucket holds the first ones). Each
-  // share's new bf16 weights travel to the peers through the copy engines while the SMs update
-  // the next share: stores over NVLink from inside the kernel, for all or part of each share, made
-  // the step slower (BENCHMARKS.md 22).
-  for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) {
-    const size_t begin = share_begin(*b, me), n = share_end(*b, me) - begin;
-    if (n == 0) continue;
-    // The peers' copies of this share sit in the receive slots in their rank order, as sum_ready adds them.
-    note("optimizer: sgd_momentum_shard launch");
-    sgd_momentum_shard(own.params + begin, own.momentum + begin, grads_ + begin, self_->receive + b->slot, slot_floats_,
-                       world - 1, own.params_bf16 + begin, n, h, first_step, compute_, skip);
-    note("optimizer: order(compute, push)");
-    comm_.order(compute_, push_stream_);
-    for (int p = 0; p < world; ++p) {
-      if (p == me) continue;
-      const PeerGroup::Member& peer = peers_->member(p);
-      note("optimizer: cudaMemcpyPeerAsync(bf16 share)");
-      CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.params_bf16 + begin, peer.device, own.params_bf16 + begin,
-                                     self_->device, n * sizeof(__nv_bfloat16), push_stream_));
-    }
+void GradSync::send_weights(const Share& share) {
+  const int me = comm_.rank();
+  note("optimizer: order(compute, push)");
+  comm_.order(compute_, push_stream_);
+  for (int p = 0; p < comm_.world(); ++p) {
+    if (p == me) continue;
+    const PeerGroup::Member& peer = peers_->member(p);
+    note("optimizer: cudaMemcpyPeerAsync(bf16 share)");
+    CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.params_bf16 + share.begin, peer.device,
+                                   self_->state.params_bf16 + share.begin, self_->device,
+                                   share.count * sizeof(__nv_bfloat16), push_stream_));
   }
+}
+
+void GradSync::finish_update() {
+  ENSURE(sharded_ && fp32_read_count_ >= 0,
+         "GradSync::finish_update: the optimizer is not sharded, or the fp32-read ranges were not set");
+  const int me = comm_.rank(), world = comm_.world();
   // Outside its shares a rank's fp32 weights go stale, but some kernels read those (biases,
   // LayerNorm weights, embeddings): the owner's copies keep them whole everywhere.
   Fp32Copies fp32_copies{};
   for (int p = 0; p < world; ++p)
     if (p != me) fp32_copies.at[fp32_copies.count++] = peers_->member(p).state.params;
   note("optimizer: copy_ranges launch");
-  copy_ranges(own.params, fp32_read_, fp32_read_count_, fp32_copies, compute_);
+  copy_ranges(self_->state.params, fp32_read_, fp32_read_count_, fp32_copies, compute_);
   note("optimizer: order(compute, push) 2");
   comm_.order(compute_, push_stream_);
   note("optimizer: cudaEventRecord(kUpdated)");

@@ -12,10 +12,9 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/options.h"
 #include "comm/peer_group.h"
-#include "kernels/optimizer.h"
-
-enum class ReduceDType { F32, BF16 };
+#include "kernels/peer_copy.h"
 
 // Gradients averaged over the ranks in buckets of the flat fp32 gradient buffer. The backward
 // fills it from the end towards the start (head first, patch embedding last), so buckets are
@@ -33,7 +32,7 @@ class GradSync {
   // or staging for bf16) came from ncclMemAlloc and is registered as a symmetric window.
   // peers: exchange through the copy engines (fp32 only; no window); this rank is comm.rank().
   // shard (with peers): the optimizer is sharded over this rank's training state (shard->grads is
-  // grads): the backward only scatters the shares, optimizer_step() updates this rank's own.
+  // grads): the backward only scatters the shares; the optimizer updates this rank's own (own_shares).
   GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats, ReduceDType dtype, __nv_bfloat16* staging,
            cudaStream_t compute, bool overlap = true, bool window = false, PeerGroup* peers = nullptr,
            const PeerGroup::State* shard = nullptr);
@@ -53,14 +52,29 @@ class GradSync {
   void finish();
   int buckets() const { return static_cast<int>(buckets_.size()); }
 
-  // Sharded, after finish(): SGD on this rank's share of every bucket (its gradient plus the
-  // copies the peers pushed), the new bf16 weights written into every rank's copy; then the
-  // compute stream waits for every peer's step, so the next forward reads whole weights. The
-  // fp32 weights and momentum outside this rank's shares go stale until gather_state().
-  void optimizer_step(const SgdHyper& h, bool first_step, const int* skip);
-  // Sharded, before the first optimizer_step: the [offset, offset + count) ranges of the fp32
-  // weights the model's kernels read directly (ViT::fp32_read_ranges); after each step every
-  // rank copies its shares of them into every peer's fp32 weights.
+  // Sharded: this rank's share of every bucket, in the order the next forward reads the weights
+  // (the last bucket holds the first ones): [begin, begin + count) of the flat buffers, and the
+  // peers' copies of its gradient, sources arrays `stride` floats apart in rank order (as
+  // sum_into adds them). After finish(), the optimizer updates each share and hands it to
+  // send_weights(), then calls finish_update().
+  struct Share {
+    size_t begin, count;
+    const float* received;
+    size_t stride;
+    int sources;
+  };
+  const std::vector<Share>& own_shares() const { return shares_; }
+  // The share's new bf16 weights, once the compute stream has written them, copied into every
+  // peer's bf16 weights (the copy engines, while the SMs update the next share).
+  void send_weights(const Share& share);
+  // After every share: the fp32 weights the kernels read directly copied from this rank's shares
+  // to every peer; then the compute stream waits for every peer's update, so the next forward
+  // reads whole weights. The fp32 weights and momentum outside this rank's shares go stale until
+  // gather_state().
+  void finish_update();
+  // Sharded, before the first update: the [offset, offset + count) ranges of the fp32 weights
+  // the model's kernels read directly (ViT::freeze_fp32_reads); finish_update() copies this
+  // rank's shares of them into every peer's fp32 weights.
   void set_fp32_read_ranges(const std::vector<std::pair<size_t, size_t>>& ranges);
   // Sharded: copies this rank's shares of the fp32 weights and momentum to every peer and makes
   // the compute stream wait for the peers' copies, so that every rank holds the whole state (for
@@ -114,6 +128,7 @@ class GradSync {
   long gathered_at_ = -1;  // step_ at the last gather: at most one a step, so it sequences kShared
   FloatRange* fp32_read_ = nullptr;  // device: this rank's shares of the fp32-read ranges
   int fp32_read_count_ = -1;         // -1: not set yet
+  std::vector<Share> shares_;        // sharded: own_shares()
   const PeerGroup::Member* self_ = nullptr;
   cudaStream_t push_stream_ = nullptr, sum_stream_ = nullptr;
   size_t slot_floats_ = 0;  // a receive slot: every bucket's share

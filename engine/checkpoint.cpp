@@ -14,8 +14,11 @@
 #include <sstream>
 #include <vector>
 
-#include "kernels/check.h"
 #include "engine/safetensors.h"
+#include "engine/training_step.h"
+#include "kernels/check.h"
+#include "model/params.h"
+#include "model/vit.h"
 
 namespace fs = std::filesystem;
 
@@ -39,7 +42,7 @@ std::vector<T> to_host(const T* device, size_t n, cudaStream_t stream) {
 // (and, as facts to report, the batch and the number of ranks).
 std::vector<int64_t> run_shape(const ViTConfig& c, const TrainOptions& o, int world) {
   return {c.img, c.patch, c.channels, c.classes, c.dim, c.depth, c.heads, static_cast<int64_t>(c.mlp_ratio * 1000),
-          o.precision == "fp8" ? 1 : 0, o.batch, world, o.fp8_recipe == "current" ? 1 : 0, o.amax_history,
+          o.precision == Precision::FP8 ? 1 : 0, o.batch, world, o.fp8_scaling == Fp8Scaling::Current ? 1 : 0, o.amax_history,
           o.fp8_margin};
 }
 const char* kShapeNames[] = {"img", "patch", "channels", "classes", "dim", "depth", "heads", "mlp_ratio x 1000",
@@ -77,11 +80,18 @@ void copy_to_device(float* dst, const std::vector<float>& src, cudaStream_t stre
   CUDA_CHECK(cudaMemcpyAsync(dst, src.data(), src.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
 }
+
+// The FP8 scaling records a model of this shape and precision keeps.
+size_t fp8_meta_bytes(const ViTConfig& c, Precision p) {
+  return p == Precision::FP8 ? ViT::fp8_tensors_of(c) * sizeof(Fp8Meta) : 0;
+}
 }  // namespace
 
-std::string save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, ViT& model,
-                     const TrainOptions& opts, int world, cudaStream_t stream) {
-  model.await_update(stream);  // an optimizer step still running on the model's second stream
+std::string save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, TrainingStep& training,
+                            const TrainOptions& opts, int world, cudaStream_t stream) {
+  training.await_update(stream);  // an optimizer step still running on the second stream
+  const ViT& model = training.model();
+  const Fp8Recipe* fp8 = training.fp8();
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir)) throw RuntimeError("cannot create checkpoint directory " + dir + ": " + ec.message());
@@ -94,14 +104,14 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
   try {
     const ParamLayout& layout = model.layout();
     const std::vector<float> params = to_host(model.params(), layout.total(), stream);
-    const std::vector<float> momentum = to_host(model.momentum(), layout.total(), stream);
+    const std::vector<float> momentum = to_host(training.optimizer().momentum(), layout.total(), stream);
     std::vector<StTensor> weights, st;
     for (const ParamTensor& t : layout.tensors()) {
       weights.push_back({t.name, "F32", t.shape, params.data() + t.offset, t.numel * sizeof(float)});
       st.push_back({"momentum." + t.name, "F32", t.shape, momentum.data() + t.offset, t.numel * sizeof(float)});
     }
-    const std::vector<Fp8Meta> metas = to_host(model.fp8_metas(), model.fp8_meta_count(), stream);
-    const std::vector<int> counters = to_host(model.fp8_skip_counters(), metas.empty() ? 0 : 2, stream);
+    const std::vector<Fp8Meta> metas = fp8 ? to_host(fp8->metas(), fp8->count(), stream) : std::vector<Fp8Meta>();
+    const std::vector<int> counters = fp8 ? to_host(fp8->skip_counters(), 2, stream) : std::vector<int>();
     const std::vector<int64_t> shape = run_shape(model.config(), opts, world);
     const int64_t step = state.step;
     const float loss_sum = state.epoch_loss_sum;
@@ -116,7 +126,7 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
     write_safetensors((tmp / "model.safetensors").string(), weights);
     write_safetensors((tmp / "state.safetensors").string(), st);
     std::string text = "step " + std::to_string(state.step) + "\nmodel " + model.config().describe() + "\nprecision " +
-                       opts.precision + "\nbatch " + std::to_string(opts.batch) + " per rank, " + std::to_string(world) +
+                       choice_name(opts.precision) + "\nbatch " + std::to_string(opts.batch) + " per rank, " + std::to_string(world) +
                        " rank(s)\n" + run_schedule_text(opts);
     write_text_file((tmp / "run.txt").string(), text);
     fsync_path(tmp.string(), true);
@@ -146,8 +156,8 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
 std::string run_schedule_text(const TrainOptions& o) {
   char lr[32];
   std::snprintf(lr, sizeof lr, "%.9g", o.lr);
-  return "seed " + std::to_string(o.seed) + "\ndata " + o.data + (o.data_dir.empty() ? "" : ":" + o.data_dir) +
-         "\nschedule " + o.lr_schedule + ", lr " + lr + ", warmup-steps " + std::to_string(o.warmup_steps) + ", steps " +
+  return "seed " + std::to_string(o.seed) + "\ndata " + choice_name(o.data) +
+         (o.data_dir.empty() ? "" : ":" + o.data_dir) + "\nschedule " + choice_name(o.lr_schedule) + ", lr " + lr + ", warmup-steps " + std::to_string(o.warmup_steps) + ", steps " +
          std::to_string(o.steps) + "\n";
 }
 
@@ -182,12 +192,9 @@ std::string latest_checkpoint(const std::string& dir) {
   return newest;
 }
 
-CheckpointState load_checkpoint(const std::string& path, ViT& model, const TrainOptions& opts, int world,
-                                cudaStream_t stream) {
-  model.await_update(stream);  // an optimizer step still running on the model's second stream
+InitialState read_checkpoint(const std::string& path, const TrainOptions& opts, int world) {
   const SafetensorsFile st((fs::path(path) / "state.safetensors").string());
-  const SafetensorsFile weights((fs::path(path) / "model.safetensors").string());
-  const std::vector<int64_t> want = run_shape(model.config(), opts, world);
+  const std::vector<int64_t> want = run_shape(opts.model, opts, world);
   const SafetensorsFile::Entry* shape = st.find("run.shape");
   if (!shape || shape->dtype != "I64" || shape->shape.size() != 1)
     throw RuntimeError(st.path() + " has no valid run.shape: not a checkpoint of this engine");
@@ -215,45 +222,45 @@ CheckpointState load_checkpoint(const std::string& path, ViT& model, const Train
                    "differ from the uninterrupted run's\n", d.c_str());
   }
 
-  const ParamLayout& layout = model.layout();
-  std::vector<float> params(layout.total(), 0.0f), momentum(layout.total(), 0.0f);
+  InitialState out;
+  out.source = path;
+  out.resumed = true;
+  const SafetensorsFile weights((fs::path(path) / "model.safetensors").string());
+  const ParamLayout layout(opts.model);
+  out.params.assign(layout.total(), 0.0f);
+  out.momentum.assign(layout.total(), 0.0f);
   for (const ParamTensor& t : layout.tensors()) {
     const std::vector<float> w = weights.as_f32(t.name, t.shape), m = st.as_f32("momentum." + t.name, t.shape);
-    std::copy(w.begin(), w.end(), params.begin() + t.offset);
-    std::copy(m.begin(), m.end(), momentum.begin() + t.offset);
+    std::copy(w.begin(), w.end(), out.params.begin() + t.offset);
+    std::copy(m.begin(), m.end(), out.momentum.begin() + t.offset);
   }
-  copy_to_device(model.params(), params, stream);
-  copy_to_device(model.momentum(), momentum, stream);
-
-  if (model.fp8_meta_count() > 0) {
+  const size_t meta_bytes = fp8_meta_bytes(opts.model, opts.precision);
+  if (meta_bytes > 0) {
     const SafetensorsFile::Entry* metas = st.find("fp8.metas");
     const SafetensorsFile::Entry* skipped = st.find("fp8.skipped");
-    const size_t bytes = model.fp8_meta_count() * sizeof(Fp8Meta);
-    if (!metas || metas->bytes != bytes || !skipped || skipped->bytes != 8)
+    if (!metas || metas->bytes != meta_bytes || !skipped || skipped->bytes != 8)
       throw RuntimeError(st.path() + " has no FP8 scaling state of this model's size");
-    CUDA_CHECK(cudaMemcpyAsync(model.fp8_metas(), st.data(*metas), bytes, cudaMemcpyHostToDevice, stream));
-    CUDA_CHECK(cudaMemcpyAsync(model.fp8_skip_counters(), st.data(*skipped), 8, cudaMemcpyHostToDevice, stream));
+    out.fp8_metas.assign(st.data(*metas), st.data(*metas) + meta_bytes);
+    std::memcpy(out.fp8_skipped, st.data(*skipped), 8);
   }
-  model.refresh_weight_copies(stream);
-  CUDA_CHECK(cudaStreamSynchronize(stream));
 
-  CheckpointState state;
   const SafetensorsFile::Entry* step = st.find("run.step");
   const SafetensorsFile::Entry* loss = st.find("run.epoch_loss_sum");
   if (!step || step->bytes != 8 || !loss || loss->bytes != 4) throw RuntimeError(st.path() + " has no run.step");
   int64_t s = 0;
   std::memcpy(&s, st.data(*step), 8);
-  std::memcpy(&state.epoch_loss_sum, st.data(*loss), 4);
+  std::memcpy(&out.state.epoch_loss_sum, st.data(*loss), 4);
   if (s < 0 || s > (1 << 30)) throw RuntimeError(st.path() + " records step " + std::to_string(s) + " (corrupted?)");
-  state.step = static_cast<int>(s);
-  return state;
+  out.state.step = static_cast<int>(s);
+  return out;
 }
 
-void load_timm_weights(const std::string& file, ViT& model, cudaStream_t stream) {
-  model.await_update(stream);  // an optimizer step still running on the model's second stream
+InitialState read_timm_weights(const std::string& file, const ViTConfig& model) {
   const SafetensorsFile f(file);
-  const ParamLayout& layout = model.layout();
-  std::vector<float> params(layout.total(), 0.0f);
+  const ParamLayout layout(model);
+  InitialState out;
+  out.source = file;
+  out.params.assign(layout.total(), 0.0f);
   std::vector<std::string> missing;
   for (const ParamTensor& t : layout.tensors()) {
     if (!f.find(t.name)) {
@@ -263,9 +270,9 @@ void load_timm_weights(const std::string& file, ViT& model, cudaStream_t stream)
     const std::vector<int64_t>& head = f.find(t.name)->shape;
     if (t.name == "head.weight" && head != t.shape && head.size() == 2 && head[1] == t.shape[1])
       throw UsageError("--init-from " + file + ": its head has " + std::to_string(head[0]) + " classes, this model " +
-                       std::to_string(model.config().classes) + " (--classes)");
+                       std::to_string(model.classes) + " (--classes)");
     const std::vector<float> w = f.as_f32(t.name, t.shape);
-    std::copy(w.begin(), w.end(), params.begin() + t.offset);
+    std::copy(w.begin(), w.end(), out.params.begin() + t.offset);
   }
   std::vector<std::string> unexpected;
   for (const auto& [name, e] : f.tensors())
@@ -276,8 +283,26 @@ void load_timm_weights(const std::string& file, ViT& model, cudaStream_t stream)
     if (!unexpected.empty()) msg += " " + std::to_string(unexpected.size()) + " unexpected, e.g. " + unexpected[0] + ";";
     throw UsageError(msg + " check --model and the shape flags");
   }
-  copy_to_device(model.params(), params, stream);
-  CUDA_CHECK(cudaMemsetAsync(model.momentum(), 0, layout.total() * sizeof(float), stream));
+  return out;
+}
+
+void upload(const InitialState& initial, TrainingStep& training, cudaStream_t stream) {
+  training.await_update(stream);  // an optimizer step still running on the second stream
+  ViT& model = training.model();
+  const size_t n = model.layout().total();
+  ENSURE(initial.params.size() == n && (initial.momentum.empty() || initial.momentum.size() == n),
+         "upload: the initial state was read for another layout");
+  copy_to_device(model.params(), initial.params, stream);
+  if (initial.momentum.empty())
+    CUDA_CHECK(cudaMemsetAsync(training.optimizer().momentum(), 0, n * sizeof(float), stream));
+  else
+    copy_to_device(training.optimizer().momentum(), initial.momentum, stream);
+  if (Fp8Recipe* fp8 = training.fp8(); fp8 && !initial.fp8_metas.empty()) {
+    ENSURE(initial.fp8_metas.size() == fp8->count() * sizeof(Fp8Meta), "upload: FP8 state of another size");
+    CUDA_CHECK(cudaMemcpyAsync(fp8->metas(), initial.fp8_metas.data(), initial.fp8_metas.size(), cudaMemcpyHostToDevice,
+                               stream));
+    CUDA_CHECK(cudaMemcpyAsync(fp8->skip_counters(), initial.fp8_skipped, 8, cudaMemcpyHostToDevice, stream));
+  }
   model.refresh_weight_copies(stream);
   CUDA_CHECK(cudaStreamSynchronize(stream));
 }

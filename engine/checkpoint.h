@@ -12,23 +12,37 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "engine/cli.h"
-#include "model/vit.h"
+#include "model/config.h"
+
+class TrainingStep;  // engine/training_step.h
 
 struct CheckpointState {
-  int step = 0;            // steps done; the next one to run
+  int step = 0;              // steps done; the next one to run
   float epoch_loss_sum = 0;  // the running epoch's summed loss, for its mean
+};
+
+// Where a run starts when not from the seed, read from disk and checked before any GPU work: a
+// checkpoint (weights, momentum, FP8 scaling state, the step) or a timm file (weights only).
+struct InitialState {
+  std::string source;    // the checkpoint's directory, or the file
+  bool resumed = false;  // a checkpoint (--resume), else a timm file (--init-from)
+  std::vector<float> params, momentum;  // in the layout's order (model/params.h); momentum empty for timm
+  std::vector<uint8_t> fp8_metas;       // the scaling records as the device holds them (empty in bf16)
+  int32_t fp8_skipped[2] = {0, 0};
+  CheckpointState state;
 };
 
 // Saves after `state.step` steps into dir (created if needed) and returns the checkpoint's path;
 // removes all but the newest `keep` checkpoints. Synchronises the stream. Throws RuntimeError
 // naming the path and the cause (a full disk, no permission); a failed save leaves every earlier
 // checkpoint as it was.
-std::string save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, ViT& model,
-                     const TrainOptions& opts, int world, cudaStream_t stream);
+std::string save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, TrainingStep& step,
+                            const TrainOptions& opts, int world, cudaStream_t stream);
 
 // The newest complete checkpoint under dir (dir itself if it is one); throws if there is none.
 std::string latest_checkpoint(const std::string& dir);
@@ -44,17 +58,18 @@ std::string run_schedule_text(const TrainOptions& opts);
 // version's run.txt may lack some: not compared), as "<the checkpoint's line> -> <this run's>".
 std::vector<std::string> resume_differences(const std::string& run_txt, const TrainOptions& opts);
 
-// Loads weights, momentum and FP8 state into the model (and refreshes its bf16/FP8 copies).
-// A changed seed, data or schedule (run.txt) is allowed, with a note on stderr.
-// Throws UsageError if the checkpoint belongs to another model shape or precision, RuntimeError
-// if it is missing, truncated or corrupted.
-CheckpointState load_checkpoint(const std::string& path, ViT& model, const TrainOptions& opts, int world,
-                                cudaStream_t stream);
-
-// Starts from a timm safetensors file (e.g. a pretrained model): every tensor of the model must
-// be there with its shape, in F32, BF16 or F16, and nothing else (timm's strict load). Momentum
-// starts at zero.
-void load_timm_weights(const std::string& file, ViT& model, cudaStream_t stream);
+// Reads and checks a checkpoint for this run (opts.model, the precision, world ranks). A changed
+// seed, data or schedule (run.txt) is allowed, with a note on stderr. Throws UsageError if the
+// checkpoint belongs to another model shape or precision, RuntimeError if it is missing,
+// truncated or corrupted.
+InitialState read_checkpoint(const std::string& path, const TrainOptions& opts, int world);
+// Reads a timm safetensors file (e.g. a pretrained model): every tensor of the model must be
+// there with its shape, in F32, BF16 or F16, and nothing else (timm's strict load). Throws
+// UsageError where it does not fit the model.
+InitialState read_timm_weights(const std::string& file, const ViTConfig& model);
+// Writes the state into the step's model, optimizer and FP8 recipe (momentum zero where the
+// state has none) and refreshes the weight copies. Synchronises the stream.
+void upload(const InitialState& initial, TrainingStep& step, cudaStream_t stream);
 
 // Creates dir if needed and checks that a file can be written in it; throws RuntimeError
 // ("<flag> DIR: cause") otherwise. Used up front, so that a run does not end unable to save.

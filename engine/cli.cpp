@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -11,12 +12,19 @@
 #include <map>
 #include <set>
 
-#include "kernels/check.h"
 #include "engine/checkpoint.h"
 #include "engine/dataset.h"
+#include "kernels/check.h"
 
 namespace {
 [[noreturn]] void bad(const std::string& msg) { throw UsageError(msg); }
+
+// A number as a person writes it: 0.001, 1e+06, 0 (not std::to_string's 0.000000).
+std::string number(double x) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%g", x);
+  return s;
+}
 
 long long parse_int(const std::string& flag, const std::string& v, long long lo, long long hi) {
   errno = 0;
@@ -34,88 +42,144 @@ double parse_double(const std::string& flag, const std::string& v, double lo, do
   const double x = std::strtod(v.c_str(), &end);
   if (v.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(x))
     bad(flag + " expects a number, got '" + v + "'");
-  if (x < lo || x > hi) bad(flag + " must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + v);
+  if (x < lo || x > hi) bad(flag + " must be between " + number(lo) + " and " + number(hi) + ", got " + v);
   return x;
+}
+
+// Each choice's name on the command line, in the order --help lists them.
+template <class E>
+struct Choice {
+  const char* name;
+  E value;
+};
+constexpr Choice<Precision> kPrecision[] = {{"bf16", Precision::BF16}, {"fp8", Precision::FP8}};
+constexpr Choice<AttentionKernels> kAttention[] = {
+    {"auto", AttentionKernels::Auto},         {"engine", AttentionKernels::Engine},
+    {"single-pass", AttentionKernels::SinglePass}, {"resident", AttentionKernels::Resident},
+    {"streamed", AttentionKernels::Streamed}, {"cudnn", AttentionKernels::Cudnn}};
+constexpr Choice<Fp8Scaling> kFp8Scaling[] = {{"delayed", Fp8Scaling::Delayed}, {"current", Fp8Scaling::Current}};
+constexpr Choice<DataKind> kData[] = {
+    {"synthetic", DataKind::Synthetic}, {"fashion-mnist", DataKind::FashionMnist}, {"packed", DataKind::Packed}};
+constexpr Choice<ShardOptimizer> kShard[] = {
+    {"auto", ShardOptimizer::Auto}, {"on", ShardOptimizer::On}, {"off", ShardOptimizer::Off}};
+constexpr Choice<ReduceDType> kReduceDType[] = {{"fp32", ReduceDType::F32}, {"bf16", ReduceDType::BF16}};
+constexpr Choice<AllReduceMethod> kAllReduce[] = {
+    {"auto", AllReduceMethod::Auto}, {"nccl", AllReduceMethod::Nccl}, {"copy-engine", AllReduceMethod::CopyEngine}};
+constexpr Choice<LrSchedule::Kind> kSchedule[] = {
+    {"constant", LrSchedule::Kind::Constant}, {"cosine", LrSchedule::Kind::Cosine}};
+constexpr Choice<bool> kOnOff[] = {{"on", true}, {"off", false}};
+
+template <class E, size_t N>
+const char* name_in(const Choice<E> (&table)[N], E v) {
+  for (const Choice<E>& c : table)
+    if (c.value == v) return c.name;
+  return "?";
+}
+
+// "a, b or c"
+template <class E, size_t N>
+std::string alternatives(const Choice<E> (&table)[N]) {
+  std::string s;
+  for (size_t i = 0; i < N; ++i) s += std::string(i == 0 ? "" : i + 1 == N ? " or " : ", ") + table[i].name;
+  return s;
+}
+
+// label names the flag in the message ("precision" for --precision, else the flag itself).
+template <class E, size_t N>
+E parse_choice(const std::string& label, const std::string& v, const Choice<E> (&table)[N]) {
+  for (const Choice<E>& c : table)
+    if (v == c.name) return c.value;
+  bad("unknown " + label + " '" + v + "'; choose " + alternatives(table));
 }
 }  // namespace
 
+const char* choice_name(Precision v) { return name_in(kPrecision, v); }
+const char* choice_name(AttentionKernels v) { return name_in(kAttention, v); }
+const char* choice_name(Fp8Scaling v) { return name_in(kFp8Scaling, v); }
+const char* choice_name(DataKind v) { return name_in(kData, v); }
+const char* choice_name(ShardOptimizer v) { return name_in(kShard, v); }
+const char* choice_name(ReduceDType v) { return name_in(kReduceDType, v); }
+const char* choice_name(AllReduceMethod v) { return name_in(kAllReduce, v); }
+const char* choice_name(LrSchedule::Kind v) { return name_in(kSchedule, v); }
+
 std::string usage() {
-  return std::string(
-             "usage: vit_train [options]\n"
-             "Trains a Vision Transformer (timm parity) on the GPU; by default ViT-Huge/16, batch 64, bf16.\n\n"
-             "run:\n"
-             "  --gpus N               GPUs of this machine to train on, one worker thread each (default 1); the\n"
-             "                         global batch is N x --batch (x the processes of a launcher's job)\n"
-             "  --bucket-mb N          gradient all-reduce bucket size in MB (default 25)\n"
-             "  --reduce-dtype D       fp32 (default) or bf16: the dtype the gradients are averaged in\n"
-             "  --comm-overlap on|off  on (default): each bucket is all-reduced during the backward; off: after it\n"
-             "  --allreduce A          how the gradients are summed: nccl, copy-engine (GPUs of one process: copied\n"
-             "                         peer to peer by the copy engines, summed by a small kernel, no NCCL kernel\n"
-             "                         beside the backward; fp32, no --nccl-window) or auto (default: copy-engine\n"
-             "                         where it applies, else nccl)\n"
-             "  --shard-optimizer S    auto (default: on with the copy-engine exchange and no --clip-grad), on or\n"
-             "                         off; on: each rank sums and updates only its share of the weights and writes\n"
-             "                         the new bf16 weights into every rank's copy (the same bits as off)\n"
-             "  --nccl-window on|off   experimental, off by default: on all-reduces the gradients in NCCL-allocated memory\n"
-             "                         registered as a symmetric window (faster; a failing rank can leave the others hung)\n"
-             "  --comm-timeout S       a data-parallel run stops if no step finishes for S seconds (default 300)\n"
-             "  --comm-ctas N          NCCL uses at most N thread blocks (SMs), leaving the rest to the backward\n"
-             "                         it overlaps (default 0: NCCL's choice)\n"
-             "  --precision P          bf16 (default) or fp8 (the blocks' Linear layers in FP8, all three GEMMs)\n"
-             "  --second-stream on|off on (default): the backward's weight gradients run on a second stream beside\n"
-             "                         the input gradients, the optimizer beside the next forward (not under\n"
-             "                         --timing); off: one stream\n"
-             "  --attention A          the attention kernels: auto (default: the engine's fastest that apply, or\n"
-             "                         cuDNN's fused attention in a direction where it loads and, timed at\n"
-             "                         start-up, is faster), engine (the engine's fastest, never cuDNN),\n"
-             "                         single-pass (backward; T <= 96, head dim 16/32/64/80), resident (Hopper\n"
-             "                         wgmma; forward: head dim 64/80/128 up to 832/656/384 tokens, backward: head\n"
-             "                         dim 64/80/128 up to 1024), streamed (forward and backward, any shape) or\n"
-             "                         cudnn (cuDNN's, both directions; libcudnn.so.9 from the library path)\n"
-             "  --fp8-recipe R         delayed (default: scales from an amax history) or current (the tensor's own amax)\n"
-             "  --amax-history N       delayed recipe: amaxes remembered (default 16)\n"
-             "  --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)\n"
-             "  --fp8-stats            at each progress line, per FP8 tensor kind: scales, amax, and the fractions\n"
-             "                         that underflow to zero or saturate in that step (which runs a little slower)\n"
-             "  --batch N              images per step (default 64)\n"
-             "  --steps N              training steps (default 50)\n"
-             "  --warmup N             first steps left out of the timing summary (default 10, less if --steps is small)\n"
-             "  --seed N               seed of the initial weights, the synthetic data and the shuffling (default 0)\n"
-             "data:\n"
-             "  --data D               synthetic (default: N(0,1) images, label = index % classes, made on the GPU)\n"
-             "                         or fashion-mnist[:DIR] (IDX files, default DIR /usr/share/datasets/fashion-mnist;\n"
-             "                         needs --img 28 --channels 1 --classes 10), or packed:DIR (DIR/train and\n"
-             "                         optionally DIR/val written by tools/pack_images: random resized crops and\n"
-             "                         flips on the GPU for training, centre crops for evaluation)\n"
-             "  --epochs N             passes over the training set, shuffled each epoch (instead of --steps)\n"
-             "  --eval-every N         top-1 on the test set every N steps (default: after each epoch)\n"
-             "model (a preset, then any override):\n"
-             "  --model NAME           ") + vit_preset_names() + " (default vit_h16)\n"
-         "  --img N --patch N --channels N --classes N --dim N --depth N --heads N --mlp-ratio X\n"
-         "optimizer (torch.optim.SGD semantics, fp32 master weights and momentum):\n"
-         "  --lr X (0.001)  --momentum X (0.9)  --weight-decay X (0, L2 added to the gradient)  --nesterov\n"
-         "  --lr-schedule S        constant (default) or cosine (decaying to zero at the end of the run)\n"
-         "  --warmup-steps N       linear learning-rate warm-up over the first N steps (default 0)\n"
-         "  --clip-grad X          clip the gradients' global L2 norm to X (torch.nn.utils.clip_grad_norm_)\n"
-         "  --label-smoothing X    cross-entropy against (1 - X) onehot + X / classes (default 0)\n"
-         "output and profiling:\n"
-         "  --log-every N          print a progress line every N steps (default 10)\n"
-         "  --timing               per-phase and per-op-kind CUDA-event breakdown (synchronises each step; one\n"
-             "                         stream, so that each op is timed alone)\n"
-         "  --profile-steps A:B    cudaProfilerStart/Stop around steps A..B (nsys --capture-range=cudaProfilerApi)\n"
-         "  --peak-tflops X        dense peak for MFU when the GPU is not known to the engine\n"
-         "  --no-gemm-autotune     take cuBLASLt's heuristic first choice instead of timing its candidates\n"
-         "  --log FILE             append JSON lines: step, loss, lr, images/s, TFLOP/s, evaluations, FP8 events,\n"
-         "                         checkpoints (tools/plot_metrics.py draws them)\n"
-         "checkpoints:\n"
-         "  --save DIR             write checkpoints under DIR (timm-loadable weights + optimizer and FP8 state);\n"
-         "                         a DIR with checkpoints only with --resume from it\n"
-         "  --save-every N         every N steps (default: only at the end); --keep K: the newest K (default 3)\n"
-         "  --resume DIR           continue from DIR's newest checkpoint (the same run shape; the same losses)\n"
-         "  --init-from FILE       start from a timm safetensors file (strict: every tensor, nothing else)\n"
-         "  --dump-reference DIR   write weights, batches, step-0 logits/loss/gradients and the losses of\n"
-         "                         --steps steps for tools/timm_reference.py\n"
-         "  --help                 this text\n";
+  return std::string(R"(usage: vit_train [options]
+Trains a Vision Transformer (timm's, parameter for parameter) on Hopper GPUs.
+Default: ViT-Huge/16, batch 64, bf16, 50 steps on synthetic data, one GPU.
+
+run:
+  --model NAME           a preset (default vit_h16), one of
+    )") + vit_preset_names() + R"(
+  --img N --patch N --channels N --classes N --dim N --depth N --heads N
+  --mlp-ratio X          override any of the preset's shape
+  --batch N              images per GPU and step (default 64)
+  --steps N              training steps (default 50)
+  --epochs N             passes over the training set (instead of --steps)
+  --precision P          bf16 (default) or fp8 (the blocks' Linear layers)
+  --gpus N               GPUs of this machine, a worker thread each (default 1)
+  --seed N               initial weights, synthetic data, shuffling (default 0)
+data:
+  --data D               synthetic (default: N(0,1) images made on the GPU),
+                         fashion-mnist[:DIR] (IDX files; default DIR
+                         /usr/share/datasets/fashion-mnist; needs --img 28
+                         --channels 1 --classes 10) or packed:DIR (DIR/train,
+                         optionally DIR/val, written by pack_images)
+  --eval-every N         test top-1 every N steps (default: each epoch's end)
+optimizer (torch.optim.SGD; fp32 master weights and momentum):
+  --lr X                 learning rate (default 0.001)
+  --momentum X           (default 0.9)
+  --weight-decay X       L2 added to the gradient (default 0)
+  --nesterov             Nesterov momentum
+  --lr-schedule S        constant (default) or cosine (to zero at the run's end)
+  --warmup-steps N       linear learning-rate warm-up (default 0)
+  --clip-grad X          clip the gradients' global L2 norm to X
+  --label-smoothing X    cross-entropy against (1 - X) onehot + X / classes
+checkpoints:
+  --save DIR             checkpoints under DIR (timm-loadable weights, optimizer
+                         and FP8 state); a DIR with checkpoints only with
+                         --resume from it
+  --save-every N         every N steps (default: at the end only)
+  --keep K               the newest K kept (default 3)
+  --resume DIR           continue from DIR's newest checkpoint
+  --init-from FILE       start from a timm safetensors file (strict load)
+output and profiling:
+  --log-every N          a progress line every N steps (default 10)
+  --log FILE             append JSON lines (loss, lr, images/s, evaluations,
+                         checkpoints; tools/plot_metrics.py draws them)
+  --warmup N             first steps left out of the timing summary (default
+                         10, fewer on short runs)
+  --timing               per-phase and per-op CUDA-event breakdown (one stream;
+                         synchronises every step)
+  --profile-steps A:B    cudaProfilerStart/Stop around steps A..B
+  --peak-tflops X        dense peak for MFU on a GPU the engine does not know
+  --dump-reference DIR   what tools/timm_reference.py checks against timm
+FP8 (with --precision fp8):
+  --fp8-recipe R         delayed (default: scale from an amax history) or
+                         current (from the tensor's own amax)
+  --amax-history N       delayed: amaxes remembered (default 16)
+  --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)
+  --fp8-stats            per tensor kind at each progress line: scales, amax,
+                         underflow and saturation (a little slower)
+kernels and streams:
+  --attention A          auto (default: the engine's fastest, or cuDNN's where
+                         timed faster at start-up), engine, single-pass,
+                         resident, streamed or cudnn
+  --second-stream on|off weight gradients and optimizer on a second stream
+                         (default on; one stream under --timing)
+  --no-gemm-autotune     cuBLASLt's first choice instead of timing candidates
+several GPUs:
+  --bucket-mb N          gradient bucket size in MB (default 25)
+  --reduce-dtype D       fp32 (default) or bf16: what gradients are summed in
+  --comm-overlap on|off  sum each bucket during the backward (default on)
+  --allreduce A          auto (default), nccl or copy-engine (GPUs of one
+                         process, peer to peer, no NCCL kernel)
+  --shard-optimizer S    auto (default: with the copy engines and no
+                         --clip-grad), on or off
+  --nccl-window on|off   experimental: sum in NCCL-registered memory (off)
+  --comm-timeout S       stop if no step finishes for S seconds (default 300)
+  --comm-ctas N          NCCL uses at most N thread blocks (default: its choice)
+  --help                 this text
+)";
 }
 
 TrainOptions parse_args(const std::vector<std::string>& args) {
@@ -136,45 +200,17 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--model", [](const std::string&, const std::string&) {}},
       {"--gpus", [&](const std::string& f, const std::string& v) { o.gpus = parse_int(f, v, 1, 1024); }},
       {"--bucket-mb", [&](const std::string& f, const std::string& v) { o.bucket_mb = parse_int(f, v, 1, 1 << 16); }},
-      {"--reduce-dtype", [&](const std::string& f, const std::string& v) {
-         if (v != "fp32" && v != "bf16") bad("unknown " + f + " '" + v + "'; choose fp32 or bf16");
-         o.reduce_dtype = v;
-       }},
-      {"--comm-overlap", [&](const std::string& f, const std::string& v) {
-         if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");
-         o.comm_overlap = v == "on";
-       }},
-      {"--allreduce", [&](const std::string& f, const std::string& v) {
-         if (v != "auto" && v != "nccl" && v != "copy-engine") bad("unknown " + f + " '" + v + "'; choose auto, nccl or copy-engine");
-         o.allreduce = v;
-       }},
-      {"--shard-optimizer", [&](const std::string& f, const std::string& v) {
-         if (v != "auto" && v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose auto, on or off");
-         o.shard_optimizer = v;
-       }},
-      {"--second-stream", [&](const std::string& f, const std::string& v) {
-         if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");
-         o.second_stream = v == "on";
-       }},
-      {"--nccl-window", [&](const std::string& f, const std::string& v) {
-         if (v != "on" && v != "off") bad("unknown " + f + " '" + v + "'; choose on or off");
-         o.nccl_window = v == "on";
-       }},
+      {"--reduce-dtype", [&](const std::string& f, const std::string& v) { o.reduce_dtype = parse_choice(f, v, kReduceDType); }},
+      {"--comm-overlap", [&](const std::string& f, const std::string& v) { o.comm_overlap = parse_choice(f, v, kOnOff); }},
+      {"--allreduce", [&](const std::string& f, const std::string& v) { o.allreduce = parse_choice(f, v, kAllReduce); }},
+      {"--shard-optimizer", [&](const std::string& f, const std::string& v) { o.shard_optimizer = parse_choice(f, v, kShard); }},
+      {"--second-stream", [&](const std::string& f, const std::string& v) { o.second_stream = parse_choice(f, v, kOnOff); }},
+      {"--nccl-window", [&](const std::string& f, const std::string& v) { o.nccl_window = parse_choice(f, v, kOnOff); }},
       {"--comm-timeout", [&](const std::string& f, const std::string& v) { o.comm_timeout = parse_int(f, v, 5, 1 << 20); }},
       {"--comm-ctas", [&](const std::string& f, const std::string& v) { o.comm_ctas = parse_int(f, v, 0, 64); }},
-      {"--precision", [&](const std::string&, const std::string& v) {
-         if (v != "bf16" && v != "fp8") bad("unknown precision '" + v + "'; choose bf16 or fp8");
-         o.precision = v;
-       }},
-      {"--attention", [&](const std::string& f, const std::string& v) {
-         if (v != "auto" && v != "engine" && v != "single-pass" && v != "resident" && v != "streamed" && v != "cudnn")
-           bad("unknown " + f + " '" + v + "'; choose auto, engine, single-pass, resident, streamed or cudnn");
-         o.attention = v;
-       }},
-      {"--fp8-recipe", [&](const std::string& f, const std::string& v) {
-         if (v != "delayed" && v != "current") bad("unknown " + f + " '" + v + "'; choose delayed or current");
-         o.fp8_recipe = v;
-       }},
+      {"--precision", [&](const std::string&, const std::string& v) { o.precision = parse_choice("precision", v, kPrecision); }},
+      {"--attention", [&](const std::string& f, const std::string& v) { o.attention = parse_choice(f, v, kAttention); }},
+      {"--fp8-recipe", [&](const std::string& f, const std::string& v) { o.fp8_scaling = parse_choice(f, v, kFp8Scaling); }},
       {"--amax-history", [&](const std::string& f, const std::string& v) { o.amax_history = parse_int(f, v, 1, 1024); }},
       {"--fp8-margin", [&](const std::string& f, const std::string& v) { o.fp8_margin = parse_int(f, v, 0, 16); }},
       {"--batch", [&](const std::string& f, const std::string& v) { o.batch = parse_int(f, v, 1, kBig); }},
@@ -183,20 +219,20 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--warmup", [&](const std::string& f, const std::string& v) { o.warmup = parse_int(f, v, 0, 1 << 30); }},
       {"--data", [&](const std::string& f, const std::string& v) {
          const std::string kind = v.substr(0, v.find(':'));
-         if (kind != "synthetic" && kind != "fashion-mnist" && kind != "packed")
-           bad("unknown dataset '" + v + "'; choose synthetic, fashion-mnist[:DIR] or packed:DIR");
-         o.data = kind;
+         bool known = false;
+         for (const Choice<DataKind>& c : kData)
+           if (kind == c.name) o.data = c.value, known = true;
+         if (!known) bad("unknown dataset '" + v + "'; choose synthetic, fashion-mnist[:DIR] or packed:DIR");
          o.data_dir = v.find(':') == std::string::npos ? "" : v.substr(v.find(':') + 1);
          const bool colon = v.find(':') != std::string::npos;
-         if (kind == "synthetic" && colon) bad(f + " synthetic takes no directory");
-         if (kind == "fashion-mnist" && colon && o.data_dir.empty()) bad(f + " fashion-mnist: needs a directory after the colon");
-         if (kind == "packed" && o.data_dir.empty()) bad(f + " packed:DIR needs the directory (DIR/train, DIR/val from tools/pack_images)");
+         if (o.data == DataKind::Synthetic && colon) bad(f + " synthetic takes no directory");
+         if (o.data == DataKind::FashionMnist && colon && o.data_dir.empty())
+           bad(f + " fashion-mnist: needs a directory after the colon");
+         if (o.data == DataKind::Packed && o.data_dir.empty())
+           bad(f + " packed:DIR needs the directory (DIR/train, DIR/val from pack_images)");
        }},
       {"--eval-every", [&](const std::string& f, const std::string& v) { o.eval_every = parse_int(f, v, 1, 1 << 30); }},
-      {"--lr-schedule", [&](const std::string& f, const std::string& v) {
-         if (v != "constant" && v != "cosine") bad("unknown " + f + " '" + v + "'; choose constant or cosine");
-         o.lr_schedule = v;
-       }},
+      {"--lr-schedule", [&](const std::string& f, const std::string& v) { o.lr_schedule = parse_choice(f, v, kSchedule); }},
       {"--warmup-steps", [&](const std::string& f, const std::string& v) { o.warmup_steps = parse_int(f, v, 0, 1 << 30); }},
       {"--seed", [&](const std::string& f, const std::string& v) { o.seed = parse_int(f, v, 0, (1LL << 62)); }},
       {"--img", [&](const std::string& f, const std::string& v) { m.img = parse_int(f, v, 1, 8192); }},
@@ -266,10 +302,10 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     bad(std::string("--batch: ") + e.what());
   }
   if (o.nesterov && o.momentum <= 0) bad("--nesterov needs a positive --momentum (as in torch.optim.SGD)");
-  if (o.data == "synthetic") {
+  if (o.data == DataKind::Synthetic) {
     if (o.epochs > 0) bad("--epochs needs a dataset with a size (--data fashion-mnist); use --steps");
     if (o.eval_every > 0) bad("--eval-every needs a dataset with a test split (--data fashion-mnist)");
-  } else if (o.data == "packed") {
+  } else if (o.data == DataKind::Packed) {
     if (m.channels != 3) bad("--data packed holds RGB images: give --channels 3");
     struct stat st;
     if (::stat((o.data_dir + "/train").c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
@@ -286,24 +322,26 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
           (o.data_dir == FashionMnist::kDefaultDir ? " (apt-get install dataset-fashion-mnist)" : ""));
   }
   if (o.epochs > 0 && given.count("--steps")) bad("give --steps or --epochs, not both");
-  if (o.fp8_stats && o.precision != "fp8") bad("--fp8-stats needs --precision fp8");
-  if (!o.dump_reference.empty() &&
-      (o.data != "synthetic" || o.lr_schedule != "constant" || o.warmup_steps > 0 || o.precision != "bf16"))
+  if (o.fp8_stats && o.precision != Precision::FP8) bad("--fp8-stats needs --precision fp8");
+  if (!o.dump_reference.empty() && (o.data != DataKind::Synthetic || o.lr_schedule != LrSchedule::Kind::Constant ||
+                                    o.warmup_steps > 0 || o.precision != Precision::BF16))
     bad("--dump-reference replays the synthetic data at a constant learning rate in timm's bf16 autocast: it takes "
         "neither --data, --lr-schedule cosine, --warmup-steps nor --precision fp8");
   if (!o.dump_reference.empty() && o.gpus > 1) bad("--dump-reference runs on one GPU (--gpus 1)");
-  if (o.allreduce == "copy-engine" && (o.reduce_dtype != "fp32" || o.nccl_window))
+  if (o.allreduce == AllReduceMethod::CopyEngine && (o.reduce_dtype != ReduceDType::F32 || o.nccl_window))
     bad("--allreduce copy-engine sums fp32 gradients in plain device memory: it takes neither --reduce-dtype bf16 "
         "nor --nccl-window on");
-  if (o.shard_optimizer == "on" && (o.allreduce == "nccl" || o.reduce_dtype != "fp32" || o.nccl_window || o.clip_grad > 0))
+  if (o.shard_optimizer == ShardOptimizer::On &&
+      (o.allreduce == AllReduceMethod::Nccl || o.reduce_dtype != ReduceDType::F32 || o.nccl_window || o.clip_grad > 0))
     bad("--shard-optimizer on needs the copy-engine exchange in fp32 and no --clip-grad (each rank sees only its "
         "share of the gradients): it takes neither --allreduce nccl, --reduce-dtype bf16, --nccl-window on nor "
         "--clip-grad");
   if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
   if (given.count("--keep") && o.save_dir.empty()) bad("--keep needs --save DIR");
   for (const char* f : {"--fp8-recipe", "--amax-history", "--fp8-margin"})
-    if (given.count(f) && o.precision != "fp8") bad(std::string(f) + " needs --precision fp8");
-  if (given.count("--amax-history") && o.fp8_recipe != "delayed") bad("--amax-history applies to --fp8-recipe delayed only");
+    if (given.count(f) && o.precision != Precision::FP8) bad(std::string(f) + " needs --precision fp8");
+  if (given.count("--amax-history") && o.fp8_scaling != Fp8Scaling::Delayed)
+    bad("--amax-history applies to --fp8-recipe delayed only");
   if (!o.resume.empty() && !o.init_from.empty()) bad("--resume and --init-from exclude each other (a checkpoint has its weights)");
   if (!o.init_from.empty()) {
     struct stat st;

@@ -13,11 +13,12 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/check.h"
-#include "comm/grad_sync.h"
-#include "comm/rendezvous.h"
+#include "comm/communicator.h"
 #include "comm/peer_group.h"
+#include "comm/rendezvous.h"
 #include "engine/trainer.h"
+#include "kernels/check.h"
+#include "kernels/device.h"
 
 namespace {
 using Clock = std::chrono::steady_clock;
@@ -55,23 +56,24 @@ struct Supervisor {
 };
 }  // namespace
 
-int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    cudaGetLastError();
-    throw RuntimeError("no CUDA GPU is available");
-  }
+int run_data_parallel(RunPlan& plan) {
+  const TrainOptions& opts = plan.opts;
+  const ProcessGroup& group = plan.group;
+  std::string why_none;
+  const int count = cuda_gpu_count(&why_none);
+  if (count == 0) throw RuntimeError("no CUDA GPU was found on this machine (" + why_none + "); vit_train needs one");
   const int first_device = group.local_rank * opts.gpus;
   if (first_device + opts.gpus > count)
     throw UsageError("--gpus " + std::to_string(opts.gpus) + (group.size > 1 ? " with local rank " + std::to_string(group.local_rank) : "") +
                      " needs devices " + std::to_string(first_device) + ".." + std::to_string(first_device + opts.gpus - 1) +
                      " but this machine has " + std::to_string(count) + " GPU(s)");
-  const int world = group.size * opts.gpus;
+  const int world = plan.world;
 
   // The copy-engine exchange needs every rank in this process, peer access between their GPUs,
   // fp32 sums outside NCCL's window; auto takes it where it applies, and says so when it does not.
   std::unique_ptr<PeerGroup> peers;
-  if (opts.allreduce != "nccl" && opts.reduce_dtype == "fp32" && !opts.nccl_window && (world > 1 || opts.allreduce != "auto")) {
+  if (opts.allreduce != AllReduceMethod::Nccl && opts.reduce_dtype == ReduceDType::F32 && !opts.nccl_window &&
+      (world > 1 || opts.allreduce != AllReduceMethod::Auto)) {
     std::vector<int> devices;
     for (int w = 0; w < opts.gpus; ++w) devices.push_back(first_device + w);
     std::string why;
@@ -81,7 +83,7 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
       PeerGroup::reachable(devices, &why);
     if (why.empty()) {
       peers = std::make_unique<PeerGroup>(world);
-    } else if (opts.allreduce == "copy-engine") {
+    } else if (opts.allreduce == AllReduceMethod::CopyEngine) {
       throw UsageError("--allreduce copy-engine needs every rank's GPU in this process, each reaching the others' "
                        "memory: " + why + "; use --allreduce nccl");
     } else if (group.rank == 0 && opts.gpus > 1) {
@@ -110,6 +112,7 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
   const std::string layout = group.size > 1 ? std::to_string(group.size) + " processes x " + std::to_string(opts.gpus) +
                                                   " GPU(s), " + group.source
                                             : std::to_string(opts.gpus) + " GPUs of one process";
+  std::atomic<int> built{0};  // trainers constructed
   std::vector<std::thread> workers;
   for (int w = 0; w < opts.gpus; ++w) {
     workers.emplace_back([&, w] {
@@ -135,7 +138,8 @@ int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group) {
         }
         ctx.comm = comm.get();
         ctx.peers = peers.get();
-        trainer = std::make_unique<Trainer>(opts, ctx);
+        trainer = std::make_unique<Trainer>(plan, ctx);
+        if (++built == opts.gpus) plan.initial.reset();  // uploaded by every rank: not needed again
         trainer->train();
       } catch (const std::exception& e) {
         const bool usage = dynamic_cast<const UsageError*>(&e) != nullptr;

@@ -4,9 +4,8 @@
 // process shares the dataset in host memory, has one exit code and one place that sees every
 // worker's failure; across machines, a launcher starts one such process per node or per GPU.
 #pragma once
-#include "engine/cli.h"
-#include "comm/rendezvous.h"
+#include "engine/run_plan.h"
 
 // Runs the training; returns the exit code (0, 1 run-time failure, 2 bad input), having
-// printed the failure's message.
-int run_data_parallel(const TrainOptions& opts, const ProcessGroup& group);
+// printed the failure's message. Releases the plan's initial state once every rank has it.
+int run_data_parallel(RunPlan& plan);

@@ -1,17 +1,18 @@
-// vit_train: parse the command line, train, and turn every failure into one clear message and
-// an exit code (2: usage, 1: run time).
+// vit_train: parse the command line, plan the run, train, and turn every failure into one clear
+// message and an exit code (2: usage, 1: run time).
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <string>
 #include <vector>
 
-#include "kernels/check.h"
+#include "comm/rendezvous.h"
 #include "engine/cli.h"
 #include "engine/data_parallel.h"
-#include "comm/rendezvous.h"
 #include "engine/reference_dump.h"
+#include "engine/run_plan.h"
 #include "engine/trainer.h"
+#include "kernels/check.h"
 
 int main(int argc, char** argv) {
   try {
@@ -24,15 +25,17 @@ int main(int argc, char** argv) {
     // VIT_TRAIN_DATA_PARALLEL=1: the data-parallel machinery even for one rank (a test aid: NCCL,
     // buckets and the supervisor exercised on a one-GPU machine).
     const char* force = std::getenv("VIT_TRAIN_DATA_PARALLEL");
-    if (group.size > 1 || opts.gpus > 1 || (force && std::string(force) == "1")) {
-      if (!opts.dump_reference.empty()) throw UsageError("--dump-reference runs on one GPU in one process");
-      return run_data_parallel(opts, group);
-    }
-    Trainer trainer(opts);
+    const bool data_parallel = group.size > 1 || opts.gpus > 1 || (force && std::string(force) == "1");
+    if (data_parallel && !opts.dump_reference.empty())
+      throw UsageError("--dump-reference runs on one GPU in one process");
+    RunPlan plan = plan_run(opts, group);  // every input checked before any GPU work
+    if (data_parallel) return run_data_parallel(plan);
+    Trainer trainer(plan);
+    plan.initial.reset();  // uploaded: the host copy of the weights is not needed again
     if (opts.dump_reference.empty())
       trainer.train();
     else
-      dump_reference(trainer, opts);
+      dump_reference(trainer, plan.opts);
     return 0;
   } catch (const UsageError& e) {
     std::fprintf(stderr, "vit_train: %s\n(vit_train --help lists the options)\n", e.what());

@@ -23,7 +23,8 @@
 // tensor maps, or cuBLASLt's first lookups: tens of us).
 constexpr uint64_t kTimingLeadNs = 300'000;
 
-inline double median(std::vector<float> v) {
+template <class T>
+double median(std::vector<T> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);

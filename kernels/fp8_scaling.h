@@ -10,6 +10,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <math.h>  // isfinite for host code, as device code has it
+
 #include <cmath>
 
 constexpr int kMaxAmaxHistory = 1024;

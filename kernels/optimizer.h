@@ -28,16 +28,3 @@ void sgd_momentum_step(float* params, float* momentum, const float* grads, __nv_
 void sgd_momentum_shard(float* params, float* momentum, const float* grads, const float* received, size_t stride,
                         int peers, __nv_bfloat16* params_bf16, size_t n, SgdHyper h, bool first_step,
                         cudaStream_t stream, const int* skip = nullptr);
-
-// After a sharded step: the fp32 master weights the kernels read directly (biases, LayerNorm
-// weights, embeddings) copied from this rank's shares to the same place in every peer's buffer
-// (NVLink stores): src[r.begin, r.begin + r.count) for each range r (device memory).
-struct FloatRange {
-  size_t begin, count;
-};
-constexpr int kMaxPeerCopies = 8;
-struct Fp32Copies {
-  float* at[kMaxPeerCopies];
-  int count;
-};
-void copy_ranges(const float* src, const FloatRange* ranges, int n_ranges, const Fp32Copies& dsts, cudaStream_t stream);

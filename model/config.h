@@ -3,6 +3,11 @@
 #include <cstdint>
 #include <string>
 
+// bf16: bf16 GEMMs. fp8: the four Linear layers of every block run all three of their GEMMs in
+// FP8 (E4M3 weights and activations, E5M2 output gradients, per-tensor scales on the device);
+// everything else as in bf16.
+enum class Precision { BF16, FP8 };
+
 struct ViTConfig {
   std::string name = "vit_h16";
   int img = 224, patch = 16, channels = 3, classes = 1000;

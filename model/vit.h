@@ -1,6 +1,8 @@
 // The ViT's training step, written out: forward, loss and backward over the kernels and the
-// GEMM entry point. The only place that knows the architecture. Memory comes from the engine's
-// arenas; nothing is allocated and nothing synchronises inside forward() and backward().
+// GEMM entry point. The only place that knows the architecture. It declares its buffers in a
+// MemoryRequest (the caller allocates them), runs on the streams and events it is handed, and
+// asks the FP8 recipe (model/fp8_tensors.h) how each FP8 tensor is written: it creates no
+// stream, allocates nothing and never synchronises.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -8,103 +10,89 @@
 #include <array>
 #include <cstdint>
 #include <functional>
-#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "engine/arena.h"
-#include "kernels/gemm.h"
-#include "kernels/op_timer.h"
 #include "kernels/attention.h"
 #include "kernels/fp8.h"
 #include "kernels/fp8_scaling.h"
-#include "kernels/optimizer.h"
+#include "kernels/gemm.h"
+#include "kernels/op_timer.h"
 #include "model/config.h"
+#include "model/fp8_tensors.h"
+#include "model/memory_request.h"
 #include "model/params.h"
 
 class CudnnAttention;  // kernels/cudnn_attention.h
 
 using bf16 = __nv_bfloat16;
 
-// bf16: bf16 GEMMs. fp8: the four Linear layers of every block run all three of their GEMMs in
-// FP8 (E4M3 weights and activations, E5M2 output gradients, per-tensor scales on the device);
-// everything else as in bf16.
-enum class Precision { BF16, FP8 };
-
-struct Fp8Options {
-  bool current = false;  // scale from the tensor's own amax (else delayed: the amax history's)
-  int history = 16;      // delayed: amaxes remembered
-  int margin = 0;        // scale = fp8_max / amax / 2^margin
-};
-
-struct ModelArenas {
-  Arena params{"parameters (fp32 master, bf16 and fp8 copies)"};
-  Arena grads{"gradients (fp32)"};
-  Arena optimizer{"optimizer state (fp32 momentum)"};
-  Arena activations{"activations saved for backward"};
-  Arena workspace{"workspace (backward temporaries, batch)"};
-
-  std::vector<Arena*> all() { return {&params, &grads, &optimizer, &activations, &workspace}; }
-  std::vector<const Arena*> all() const { return {&params, &grads, &optimizer, &activations, &workspace}; }
-  size_t bytes() const {
-    size_t n = 0;
-    for (const Arena* a : all()) n += a->bytes();
-    return n;
-  }
-  void commit() {
-    for (Arena* a : all()) a->commit();
-  }
+// Where the backward's weight-gradient products run: with their own Gemm (its own workspace),
+// in line on the critical path's stream (stream null), or on a second stream, beside the
+// memory-bound kernels that follow each input gradient on the critical path. The stream and the
+// events that order the two streams both ways are made and owned by the caller
+// (engine/second_stream.h).
+struct WeightGradStream {
+  Gemm* gemm = nullptr;
+  cudaStream_t stream = nullptr;
+  // forked: recorded on the critical path before weight gradients are enqueued; read[lin]:
+  // lin's weight gradient has read its operands; block_done[parity]: a block's weight gradients
+  // are written.
+  cudaEvent_t forked = nullptr, read[4] = {}, block_done[2] = {};
+  // Tests: at each hand-over the second stream (lag_ns) or the critical path (critical_lag_ns)
+  // spins this long, so that a missing wait shows as a wrong result.
+  uint64_t lag_ns = 0, critical_lag_ns = 0;
 };
 
 class ViT {
  public:
-  // Declares every buffer in the arenas; pointers are valid after the arenas are committed.
-  ViT(const ViTConfig& cfg, int batch, ModelArenas& arenas, Precision precision = Precision::BF16,
-      Fp8Options fp8 = {});
-  ~ViT();
+  // Declares every buffer in memory; the pointers are valid once the caller has placed it.
+  ViT(const ViTConfig& cfg, int batch, MemoryRequest& memory, Precision precision = Precision::BF16);
   // Empty if this batch and shape can run in FP8, else the reason (token count and features
   // must be multiples of 16: Hopper's FP8 GEMMs).
   static std::string fp8_unsupported_reason(const ViTConfig& cfg, int batch);
 
   const ViTConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
+  int batch() const { return B_; }
+  Precision precision() const { return precision_; }
   // [offset, offset + numel) of every tensor the kernels have read as fp32 master weights (not
   // through the bf16 copy) so far; after one forward and backward, all of them. A sharded
   // optimizer keeps these whole on every rank (biases, LayerNorm weights, embeddings: ~0.1%).
   // From then on a kernel reading any other tensor in fp32 is an error (it would read weights
   // that are stale outside this rank's shares), not a silent wrong result.
   std::vector<std::pair<size_t, size_t>> freeze_fp32_reads();
-  int batch() const { return B_; }
 
-  // timm's initialisation, drawn on the device from the seed; also writes the bf16 copy and
-  // zeroes gradients and momentum.
+  // The FP8 tensors, numbered for the recipe: each block's four Linear layers' input, weight
+  // and output gradient (the last in E5M2, the others in E4M3).
+  int fp8_tensor_count() const { return precision_ == Precision::FP8 ? fp8_tensors_of(cfg_) : 0; }
+  static int fp8_tensors_of(const ViTConfig& cfg) { return cfg.depth * 12; }
+  Fp8Kind fp8_tensor_kind(int tensor) const { return tensor % 3 == kOutputGrad ? Fp8Kind::E5M2 : Fp8Kind::E4M3; }
+  // For reports: the tensors of one Linear layer kind and role over the blocks, under a name.
+  struct Fp8TensorGroup {
+    std::string name;
+    std::vector<int> tensors;
+  };
+  std::vector<Fp8TensorGroup> fp8_tensor_groups() const;
+  // The recipe the FP8 tensors are written under; set before anything runs in FP8 (not owned).
+  void set_fp8(Fp8Tensors* fp8) { fp8_ = fp8; }
+
+  // The parameters in the parts an optimizer may update one by one, in the order the forward
+  // reads them: the embeddings (part 0), each block, the final norm and head.
+  int parameter_parts() const { return cfg_.depth + 2; }
+  size_t parameter_part_begin(int part) const;
+
+  // timm's initialisation, drawn on the device from the seed; zeroes the gradients and writes
+  // the weight copies.
   void init_params(uint64_t seed, cudaStream_t stream);
   // After the fp32 master weights were written from outside (tests, loading): refresh their bf16
   // copy and, in FP8, their FP8 copies.
   void refresh_weight_copies(cudaStream_t stream);
+  // FP8: the next forward's weight copies, of every block or of blocks [first, first + count).
+  void cast_fp8_weights(cudaStream_t stream, OpTimer* timer = nullptr) { cast_fp8_weights(0, cfg_.depth, stream, timer); }
+  void cast_fp8_weights(int first, int count, cudaStream_t stream, OpTimer* timer = nullptr);
 
-  // FP8 bookkeeping around a step (no-ops in bf16): begin_step clears the step's non-finite
-  // flag; end_step updates the delayed recipe's scales from the step's amaxes and counts a
-  // skipped step; after the optimizer, cast_fp8_weights makes the next forward's weight copies.
-  // The optimizer skips the update when *fp8_step_non_finite() is set. prime_fp8_scales runs one
-  // forward and backward with current scaling to start the delayed recipe from real amaxes, and
-  // returns false (doing nothing) where there is no delayed recipe to start.
-  void begin_fp8_step(cudaStream_t stream);
-  void end_fp8_step(cudaStream_t stream);
-  void cast_fp8_weights(cudaStream_t stream, OpTimer* timer = nullptr);
-  bool prime_fp8_scales(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
-  const int* fp8_step_non_finite() const { return fp8_step_non_finite_; }
-  const int* fp8_skipped_steps() const { return fp8_skipped_; }  // [total, in a row]
-  // The FP8 scaling state as it lives on the device (checkpoints): the metas, and the counters.
-  Fp8Meta* fp8_metas() const { return fp8_metas_; }
-  int fp8_meta_count() const { return precision_ == Precision::FP8 ? static_cast<int>(linears_.size()) * 12 : 0; }
-  int* fp8_skip_counters() const { return fp8_skipped_; }
-  void reset_fp8_counters(cudaStream_t stream);
-  // Data parallel: reduce(data, count, stream) takes the maximum over the ranks in place. With
-  // it, every rank's scales come from the amaxes of the whole global batch (the current
-  // recipe's per tensor, the delayed recipe's once a step in end_fp8_step), and every rank
-  // skips the same steps.
-  void set_amax_reducer(std::function<void(float*, int, cudaStream_t)> reduce) { amax_reduce_ = std::move(reduce); }
   // The loss's label smoothing (PyTorch's CrossEntropyLoss(label_smoothing=...)).
   void set_label_smoothing(float s) { label_smoothing_ = s; }
   // Which attention kernels run (kernels/attention.h; Auto by default).
@@ -120,50 +108,18 @@ class ViT {
   // Data-parallel ranks whose gradients are summed: the loss gradient is divided by them too, so
   // the sum is the global batch's mean gradient.
   void set_gradient_ranks(int ranks) { gradient_ranks_ = ranks; }
-  // A second stream (on; off by default here, vit_train's --second-stream), for the work off the
-  // critical path; the same results bit for bit, given the same GEMM algorithms. The backward's
-  // weight gradients run on it (in FP8 with the transposes of the kept LayerNorm codes they
-  // read): each block's input gradients and the memory-bound kernels between them are the
-  // backward's critical path, and the weight gradients only feed the optimizer, so their GEMMs
-  // can run while LayerNorm, GELU and attention wait on memory. They get a Gemm of their own (a
-  // workspace of gemm_workspace bytes), tuned in the first backward after this, which still runs
-  // them in line so that they are timed alone. And update() runs on it, beside the next forward.
-  // Every call of forward, backward, update and the rest takes the same stream, the critical path.
-  void set_second_stream(bool on, size_t gemm_workspace, bool autotune);
-  // Tests: one stream falls behind the other by ns nanoseconds (a spinning kernel), so that a
-  // missing wait between them shows as a wrong result. The second stream: at each fork to it and
-  // each update (against a missing wait of the critical path for it); the critical path: at each
-  // block of the backward and at the embeddings' (against a missing wait of the second stream).
-  enum class Lagging { SecondStream, CriticalPath };
-  void set_second_stream_lag(uint64_t ns, Lagging which);
-  // The optimizer step (SGD with momentum; clipped by grad_norm, skipped in FP8 when the step was
-  // bad) over every parameter, then in FP8 the next forward's weight copies. With the second
-  // stream it runs there, part by part in the order the next forward reads them (the embeddings,
-  // each block, the final norm and head), and the forward waits for each part before it reads it
-  // (in line with the FP8 current recipe, whose weight casts reduce their amaxes and flag a bad
-  // step on the critical path). await_update makes st wait for all of it: before anything but the
-  // next forward reads or writes the weights, the gradients or the FP8 state.
-  void update(const SgdHyper& h, bool first_step, const float* grad_norm, cudaStream_t st, OpTimer* timer = nullptr);
-  void await_update(cudaStream_t st) const;
-  // Off for evaluation: FP8 casts use the training scales and record no amax.
-  void set_fp8_recording(bool on) { fp8_recording_ = on; }
-  // --fp8-stats: while on, the FP8 producers count the values that underflow to zero and that
-  // saturate (a little slower); the counts start from zero when it is switched on.
-  void set_fp8_counting(bool on, cudaStream_t stream);
-  // One line per tensor kind (qkv/proj/fc1/fc2 x input/weight/output gradient) over the blocks:
-  // scale, last amax, and the underflow and saturation fractions counted since counting began.
-  // Synchronises the stream.
-  std::string fp8_stats_table(cudaStream_t stream) const;
-  Precision precision() const { return precision_; }
 
   // Forward and loss on images [B, C, H, W] fp32 and labels [B]; leaves loss() and logits().
-  void forward(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
+  // part_updated (optional): an update of the parameters still running elsewhere; the forward
+  // waits for part_updated[p] before it reads part p.
+  void forward(cudaStream_t stream, Gemm& gemm, OpTimer& timer, const cudaEvent_t* part_updated = nullptr);
   // Backward of the last forward: every parameter gradient into grads() (overwritten). The
   // gradients are finished from the end of the layout towards its start (head, blocks from the
   // last, patch embedding); grads_ready_from(offset), if given, is called (in stream order) each
   // time every gradient at or past offset is final: a data-parallel run starts its all-reduces.
+  // wgrad: where the weight gradients run (by default in line, with gemm).
   void backward(cudaStream_t stream, Gemm& gemm, OpTimer& timer,
-                const std::function<void(size_t)>& grads_ready_from = {});
+                const std::function<void(size_t)>& grads_ready_from = {}, const WeightGradStream* wgrad = nullptr);
 
   // The batch the next forward reads.
   float* images() const { return images_; }
@@ -172,7 +128,6 @@ class ViT {
   float* params() const { return params_; }
   bf16* params_bf16() const { return params_bf16_; }
   float* grads() const { return grads_; }
-  float* momentum() const { return momentum_; }
   const float* loss() const { return loss_; }      // device scalar
   const float* logits() const { return logits_; }  // [B, logits_ld()]
   int logits_ld() const { return classes_ld_; }
@@ -192,35 +147,36 @@ class ViT {
     int w, b, n, k;  // weight [n, k] and bias [n] tensor indices
     uint8_t *w8 = nullptr, *w8t = nullptr;
   };
+  struct WgradLane;  // where one backward's weight gradients run, and its hand-overs (vit.cpp)
   // A block's attention, forward (qkv -> attn, lse) and backward (dattn_ -> dqkv_): the engine's
   // kernels or cuDNN's (set_cudnn_attention).
   void attention_fwd(const BlockActs& a, cudaStream_t st);
   void attention_bwd(const BlockActs& a, cudaStream_t st);
   void forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
   void forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer);
-  struct SecondStream;  // set_second_stream's stream, Gemm and events (vit.cpp)
-  struct WgradLane;    // where one backward's weight gradients run, and its hand-overs (vit.cpp)
   void backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer, const WgradLane& wl);
   void backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer, const WgradLane& wl);
 
-  // FP8: each tensor is made by the kernel that computes it. produce_fp8 runs such a producer,
-  // launch(const Fp8Out&), under the recipe: delayed = one pass with the scale from past amaxes,
-  // recording this one; current = an amax-only pass, the scale update, then the writing pass.
+  // FP8: each tensor is made by the kernel that computes it, launch(const Fp8Out&), run under
+  // the recipe.
+  int fp8_tensor(int l, Lin lin, Role role) const { return (l * 4 + lin) * 3 + role; }
+  Fp8Meta* meta(int l, Lin lin, Role role) const { return fp8_->meta(fp8_tensor(l, lin, role)); }
   template <class Launch>
-  void produce_fp8(Fp8Meta* m, Fp8Kind kind, uint8_t* out, uint8_t* out_t, cudaStream_t st, Launch&& launch);
+  void produce_fp8(int l, Lin lin, Role role, uint8_t* out, uint8_t* out_t, cudaStream_t st, Launch&& launch) {
+    const int t = fp8_tensor(l, lin, role);
+    fp8_->produce(t, fp8_tensor_kind(t), out, out_t, st, launch);
+  }
   // The backward's recompute of a forward input's transposed copy: the forward's scale, so the
   // forward's codes; nothing recorded.
-  Fp8Out recompute_fp8(Fp8Meta* m, uint8_t* out_t) const { return {Fp8Kind::E4M3, &m->scale, nullptr, out_t}; }
+  Fp8Out recompute_fp8(int l, Lin lin, uint8_t* out_t) const {
+    return {Fp8Kind::E4M3, &meta(l, lin, kInput)->scale, nullptr, out_t};
+  }
   // The three FP8 products of a Linear layer. x8 [M, k] and w8 make y [M, n]; dy8 [M, n] and w8t
   // make dx [M, k]; dy8t [n, M] and x8t [k, M] make dW [n, k] (fp32).
   void fp8_forward(Gemm& gemm, int l, Lin lin, const uint8_t* x8, const float* residual, void* y, DType y_type,
                    cudaStream_t st);
   void fp8_input_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8, bf16* dx, cudaStream_t st);
   void fp8_weight_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8t, const uint8_t* x8t, cudaStream_t st);
-  Fp8Meta* meta(int l, Lin lin, Role role) const { return fp8_metas_ + (l * 4 + lin) * 3 + role; }
-  unsigned long long* stats(const Fp8Meta* m) const {
-    return fp8_counting_ ? fp8_stats_ + 3 * (m - fp8_metas_) : nullptr;
-  }
 
   // Marks tensor t as read in fp32 (see freeze_fp32_reads).
   const float* p(int t) const {
@@ -237,37 +193,24 @@ class ViT {
   ParamLayout layout_;
   int B_, T_, M_, classes_ld_;
   Precision precision_;
-  Fp8Options fp8_;
   std::vector<std::array<Linear, 4>> linears_;
-  Fp8Meta* fp8_metas_ = nullptr;
-  int *fp8_step_non_finite_ = nullptr, *fp8_skipped_ = nullptr;
-  float* fp8_amax_scratch_ = nullptr;
-  bool fp8_recording_ = true, fp8_counting_ = false;
+  Fp8Tensors* fp8_ = nullptr;
   float label_smoothing_ = 0.0f;
   AttentionForward attention_forward_ = AttentionForward::Auto;
   AttentionBackward attention_backward_ = AttentionBackward::Auto;
   CudnnAttention *cudnn_forward_ = nullptr, *cudnn_backward_ = nullptr;
   int gradient_ranks_ = 1;
-  unsigned long long* fp8_stats_ = nullptr;  // [underflow, saturated, values] per meta, while counting
-  std::function<void(float*, int, cudaStream_t)> amax_reduce_;
-  float* fp8_amax_reduce_ = nullptr;  // the step's amaxes and a bad-step flag, gathered for the reduce
   // FP8 operands of the products at hand: a forward input (in the backward, the GELU output
   // recomputed), the kept LayerNorm codes transposed (xt8_), two output gradients (fc2's lives
   // on while fc1's is made), and each Linear's output gradient transposed (dy8t_, by Lin: a
   // weight gradient on its own stream may read it while the next ones are made).
   uint8_t *x8_ = nullptr, *xt8_ = nullptr, *dy8_[2] = {}, *dy8t_[4] = {};
-  std::unique_ptr<SecondStream> second_;
-  // The first parameter of part `part` of update(): the embeddings (0), block part - 1, the head.
-  size_t update_part_begin(int part) const;
-  void await_update_part(int part, cudaStream_t st) const;
-  // The FP8 weight copies of blocks [first, first + count).
-  void cast_block_fp8_weights(int first, int count, cudaStream_t st, OpTimer* timer);
 
-  float *params_, *grads_, *momentum_;
+  float *params_, *grads_;
   bf16* params_bf16_;
   mutable std::vector<char> fp32_read_;  // per tensor: read by p()
   bool fp32_reads_frozen_ = false;
-  float *images_;
+  float* images_;
   int* labels_;
   // forward, saved for backward
   bf16* patches_;  // [B * P, patch_dim_padded]

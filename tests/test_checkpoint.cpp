@@ -7,8 +7,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
-
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -171,10 +171,10 @@ const std::string kSmall = "./vit_train --img 32 --patch 8 --channels 3 --classe
 TEST_CASE("checkpoint: a resumed run's changed seed, data or schedule is found in run.txt") {
   TrainOptions o;
   o.seed = 7;
-  o.data = "packed";
+  o.data = DataKind::Packed;
   o.data_dir = "/data/p";
   o.lr = 0.1;
-  o.lr_schedule = "cosine";
+  o.lr_schedule = LrSchedule::Kind::Cosine;
   o.warmup_steps = 100;
   o.steps = 5000;
   const std::string text = run_schedule_text(o);
@@ -190,7 +190,7 @@ TEST_CASE("checkpoint: a resumed run's changed seed, data or schedule is found i
   CHECK(d[1] == "seed 7 -> seed 8");
   // An earlier version's run.txt (the seed only): only the seed compared.
   other = o;
-  other.data = "synthetic";
+  other.data = DataKind::Synthetic;
   other.data_dir.clear();
   CHECK(resume_differences("step 10\nseed 7\n", other).empty());
   other.seed = 9;

@@ -40,7 +40,7 @@ TEST_CASE("cli: defaults are ViT-H/16, batch 64, bf16, SGD lr 0.001 momentum 0.9
   CHECK(o.model.depth == 32);
   CHECK(o.model.heads == 16);
   CHECK(o.batch == 64);
-  CHECK(o.precision == "bf16");
+  CHECK(o.precision == Precision::BF16);
   CHECK(o.lr == doctest::Approx(0.001));
   CHECK(o.momentum == doctest::Approx(0.9));
   CHECK(o.gpus == 1);
@@ -119,25 +119,25 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
   CHECK(parse({}).second_stream);
   CHECK(!parse({"--second-stream", "off"}).second_stream);
   CHECK(usage_error({"--second-stream", "auto"}).find("unknown --second-stream 'auto'; choose on or off") != std::string::npos);
-  CHECK(parse({}).attention == "auto");
-  CHECK(parse({"--attention", "streamed"}).attention == "streamed");
-  CHECK(parse({"--attention", "resident"}).attention == "resident");
-  CHECK(parse({"--attention", "cudnn"}).attention == "cudnn");
-  CHECK(parse({"--attention", "engine"}).attention == "engine");
+  CHECK(parse({}).attention == AttentionKernels::Auto);
+  CHECK(parse({"--attention", "streamed"}).attention == AttentionKernels::Streamed);
+  CHECK(parse({"--attention", "resident"}).attention == AttentionKernels::Resident);
+  CHECK(parse({"--attention", "cudnn"}).attention == AttentionKernels::Cudnn);
+  CHECK(parse({"--attention", "engine"}).attention == AttentionKernels::Engine);
   CHECK(usage_error({"--attention", "flash"})
             .find("unknown --attention 'flash'; choose auto, engine, single-pass, resident, streamed or cudnn") !=
         std::string::npos);
-  CHECK(parse({}).allreduce == "auto");
-  CHECK(parse({"--allreduce", "copy-engine"}).allreduce == "copy-engine");
-  CHECK(parse({"--allreduce", "nccl", "--nccl-window", "on"}).allreduce == "nccl");
+  CHECK(parse({}).allreduce == AllReduceMethod::Auto);
+  CHECK(parse({"--allreduce", "copy-engine"}).allreduce == AllReduceMethod::CopyEngine);
+  CHECK(parse({"--allreduce", "nccl", "--nccl-window", "on"}).allreduce == AllReduceMethod::Nccl);
   CHECK(usage_error({"--allreduce", "ring"}).find("unknown --allreduce 'ring'; choose auto, nccl or copy-engine") !=
         std::string::npos);
   CHECK(usage_error({"--allreduce", "copy-engine", "--reduce-dtype", "bf16"}).find("--allreduce copy-engine sums fp32") !=
         std::string::npos);
   CHECK(usage_error({"--allreduce", "copy-engine", "--nccl-window", "on"}).find("--allreduce copy-engine sums fp32") !=
         std::string::npos);
-  CHECK(parse({}).shard_optimizer == "auto");
-  CHECK(parse({"--shard-optimizer", "off"}).shard_optimizer == "off");
+  CHECK(parse({}).shard_optimizer == ShardOptimizer::Auto);
+  CHECK(parse({"--shard-optimizer", "off"}).shard_optimizer == ShardOptimizer::Off);
   CHECK(usage_error({"--shard-optimizer", "zero"}).find("unknown --shard-optimizer 'zero'; choose auto, on or off") !=
         std::string::npos);
   const std::string shard_conflict = "--shard-optimizer on needs the copy-engine exchange in fp32 and no --clip-grad";
@@ -149,7 +149,7 @@ TEST_CASE("cli: every bad input is one clear usage error naming the problem") {
                                 "--label-smoothing", "0.1", "--save", "ckpt", "--save-every", "100", "--keep", "5"});
   CHECK(t.gpus == 2);
   CHECK(t.bucket_mb == 50);
-  CHECK(t.reduce_dtype == "bf16");
+  CHECK(t.reduce_dtype == ReduceDType::BF16);
   CHECK(t.clip_grad == 1.5);
   CHECK(t.label_smoothing == 0.1);
   CHECK(t.save_dir == "ckpt");
@@ -195,7 +195,7 @@ TEST_CASE("cli: a forgotten value, a flag with no effect, a directory given as a
   REQUIRE(std::system(("mkdir -p " + packed + "/train").c_str()) == 0);
   CHECK(usage_error({"--data", data.c_str(), "--eval-every", "10"}).find("no " + packed + "/val directory") !=
         std::string::npos);
-  CHECK(parse({"--data", data.c_str()}).data == "packed");
+  CHECK(parse({"--data", data.c_str()}).data == DataKind::Packed);
   REQUIRE(std::system(("rm -rf " + dir).c_str()) == 0);
 }
 

@@ -124,7 +124,7 @@ TEST_CASE("cli: data, epochs, evaluation and schedule flags") {
   const std::vector<std::string> fm = {"--data", "fashion-mnist:" + dir.path, "--img", "28", "--patch", "4", "--channels",
                                        "1", "--classes", "10", "--dim", "192", "--heads", "3", "--depth", "6"};
   TrainOptions o = parse(fm);
-  CHECK(o.data == "fashion-mnist");
+  CHECK(o.data == DataKind::FashionMnist);
   CHECK(o.data_dir == dir.path);
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = fm;
@@ -133,7 +133,7 @@ TEST_CASE("cli: data, epochs, evaluation and schedule flags") {
   };
   o = parse(with({"--epochs", "10", "--lr-schedule", "cosine", "--warmup-steps", "468", "--eval-every", "100"}));
   CHECK(o.epochs == 10);
-  CHECK(o.lr_schedule == "cosine");
+  CHECK(o.lr_schedule == LrSchedule::Kind::Cosine);
   CHECK(o.warmup_steps == 468);
   set_total_steps(o, 4680);
   CHECK(o.steps == 4680);

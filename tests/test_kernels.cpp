@@ -16,6 +16,7 @@
 #include "kernels/loss.h"
 #include "kernels/normal_cdf.h"
 #include "kernels/optimizer.h"
+#include "kernels/peer_copy.h"
 #include "kernels/preload.h"
 #include "kernels/random.h"
 #include "kernels/reduce.h"

@@ -8,6 +8,10 @@
 #include <deque>
 #include <random>
 
+#include "engine/device_memory.h"
+#include "engine/fp8_recipe.h"
+#include "engine/optimizer.h"
+#include "engine/training_step.h"
 #include "kernels/gemm.h"
 #include "kernels/optimizer.h"
 #include "kernels/reduce.h"
@@ -74,6 +78,23 @@ TEST_CASE("gpu: GEMM entry point, the Linear layer's three products") {
 }
 
 namespace {
+// A model with what a training step needs around it (engine/): its optimizer, the FP8 recipe in
+// fp8, its device memory, and the step that composes them.
+struct StepUnderTest {
+  MemoryRequest memory;
+  ViT model;
+  Sgd sgd;
+  std::unique_ptr<Fp8Recipe> fp8;
+  DeviceMemory device;
+  TrainingStep step;
+  StepUnderTest(const ViTConfig& cfg, int B, Precision precision)
+      : model(cfg, B, memory, precision),
+        sgd(model, memory),
+        fp8(precision == Precision::FP8 ? std::make_unique<Fp8Recipe>(model, Fp8Options{}, memory) : nullptr),
+        device(memory),
+        step(model, sgd, fp8.get()) {}
+};
+
 ViTConfig small_config() {
   ViTConfig c;
   c.name = "test";
@@ -110,9 +131,8 @@ struct Comparison {
 Comparison compare_with_reference(Precision precision, int B, std::mt19937_64& rng,
                                   const ViTConfig& cfg = small_config(),
                                   AttentionBackward attention = AttentionBackward::Auto) {
-  ModelArenas arenas;
-  ViT model(cfg, B, arenas, precision);
-  arenas.commit();
+  StepUnderTest s(cfg, B, precision);
+  ViT& model = s.model;
   model.set_attention_backward(attention);
   const ParamLayout& layout = model.layout();
   const auto params = random_params(layout, rng);
@@ -121,19 +141,19 @@ Comparison compare_with_reference(Precision precision, int B, std::mt19937_64& r
   std::vector<int> labels(B);
   for (int b = 0; b < B; ++b) labels[b] = static_cast<int>(rng() % cfg.classes);
 
-  model.init_params(0, 0);  // FP8 scaling state; the weights are overwritten next
+  s.step.init(0, 0);  // FP8 scaling state; the weights are overwritten next
   CUDA_CHECK(cudaMemcpy(model.params(), to_f32(params).data(), params.size() * 4, cudaMemcpyHostToDevice));
-  model.refresh_weight_copies(0);
+  s.step.refresh_weight_copies(0);
   CUDA_CHECK(cudaMemcpy(model.images(), to_f32(images).data(), images.size() * 4, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(model.labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
   Gemm gemm(32u << 20);
   OpTimer timer(false);
-  model.prime_fp8_scales(0, gemm, timer);  // FP8: scales from this batch's amaxes (no-op in bf16)
+  s.step.prime_fp8_scales(0, gemm, timer);  // FP8: scales from this batch's amaxes (no-op in bf16)
   CUDA_CHECK(cudaMemset(model.grads(), 0xFF, layout.total() * 4));  // poison: every gradient must be written
-  model.begin_fp8_step(0);
-  model.forward(0, gemm, timer);
-  model.backward(0, gemm, timer);
-  model.end_fp8_step(0);
+  s.step.begin(0);
+  s.step.forward(0, gemm, timer);
+  s.step.backward(0, gemm, timer);
+  s.step.end(0);
   CUDA_CHECK(cudaDeviceSynchronize());
 
   const ref::ModelResult want = ref::model_forward_backward(cfg, layout, params, B, images, labels);
@@ -293,10 +313,9 @@ TEST_CASE("gpu: training a small model on a fixed batch lowers the loss, in bf16
     CAPTURE(precision == Precision::FP8);
     ViTConfig cfg = small_config();
     const int B = 16;
-    ModelArenas arenas;
-    ViT model(cfg, B, arenas, precision);
-    arenas.commit();
-    model.init_params(1, 0);
+    StepUnderTest s(cfg, B, precision);
+    ViT& model = s.model;
+    s.step.init(1, 0);
     std::mt19937_64 rng(5);
     const auto images = round_f32(random_vec(rng, static_cast<size_t>(B) * 3 * 32 * 32, -2, 2));
     std::vector<int> labels(B);
@@ -305,21 +324,21 @@ TEST_CASE("gpu: training a small model on a fixed batch lowers the loss, in bf16
     CUDA_CHECK(cudaMemcpy(model.labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
     Gemm gemm(32u << 20);
     OpTimer timer(false);
-    model.prime_fp8_scales(0, gemm, timer);
+    s.step.prime_fp8_scales(0, gemm, timer);
     float first = 0, last = 0;
     for (int step = 0; step < 40; ++step) {
-      model.begin_fp8_step(0);
-      model.forward(0, gemm, timer);
-      model.backward(0, gemm, timer);
-      model.end_fp8_step(0);
-      sgd_momentum_step(model.params(), model.momentum(), model.grads(), model.params_bf16(), model.layout().total(),
-                        SgdHyper{0.05f, 0.9f, 0.0f, false}, step == 0, 0, model.fp8_step_non_finite());
+      s.step.begin(0);
+      s.step.forward(0, gemm, timer);
+      s.step.backward(0, gemm, timer);
+      s.step.end(0);
+      sgd_momentum_step(model.params(), s.sgd.momentum(), model.grads(), model.params_bf16(), model.layout().total(),
+                        SgdHyper{0.05f, 0.9f, 0.0f, false}, step == 0, 0, s.fp8 ? s.fp8->step_non_finite() : nullptr);
       model.cast_fp8_weights(0);
       CUDA_CHECK(cudaMemcpy(step == 0 ? &first : &last, model.loss(), 4, cudaMemcpyDeviceToHost));
     }
     int skipped = 0;
     if (precision == Precision::FP8)
-      CUDA_CHECK(cudaMemcpy(&skipped, model.fp8_skipped_steps(), 4, cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(&skipped, s.fp8->skip_counters(), 4, cudaMemcpyDeviceToHost));
     MESSAGE(std::string(precision == Precision::FP8 ? "fp8" : "bf16")
             << " loss on a fixed batch: step 1 " << first << ", step 40 " << last << ", skipped steps " << skipped);
     CHECK(std::isfinite(last));
@@ -345,14 +364,12 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
     // at each hand-over (the second, then the critical path: so that a missing wait, in either
     // direction, reads or writes a buffer too early). The heuristic's GEMM algorithms, so that
     // both Gemms pick the same ones.
-    for (ViT::Lagging lagging : {ViT::Lagging::SecondStream, ViT::Lagging::CriticalPath}) {
-      CAPTURE(lagging == ViT::Lagging::SecondStream);
-      ModelArenas arenas_one, arenas_two;
-      ViT one(cfg, B, arenas_one, precision), two(cfg, B, arenas_two, precision);
-      arenas_one.commit();
-      arenas_two.commit();
-      two.set_second_stream(true, 32u << 20, false);
-      two.set_second_stream_lag(2'000'000, lagging);
+    for (TrainingStep::Lagging lagging : {TrainingStep::Lagging::SecondStream, TrainingStep::Lagging::CriticalPath}) {
+      CAPTURE(lagging == TrainingStep::Lagging::SecondStream);
+      StepUnderTest s_one(cfg, B, precision), s_two(cfg, B, precision);
+      ViT &one = s_one.model, &two = s_two.model;
+      s_two.step.set_second_stream(true, 32u << 20, false);
+      s_two.step.set_second_stream_lag(2'000'000, lagging);
       Gemm gemm_one(32u << 20, false), gemm_two(32u << 20, false);
       OpTimer timer(false);
       const size_t n = one.layout().total();
@@ -371,31 +388,32 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
       h.max_grad_norm = 1.0f;  // clipped by the gradients' norm, read by the update on the second stream
       for (int k = 0; k < 2; ++k) {  // one model's steps after the other's: nothing else hides the lag
         ViT& m = k == 0 ? one : two;
+        TrainingStep& ts = k == 0 ? s_one.step : s_two.step;
         Gemm& gemm = k == 0 ? gemm_one : gemm_two;
-        m.init_params(seed, 0);
+        ts.init(seed, 0);
         CUDA_CHECK(cudaMemcpy(m.images(), to_f32(images).data(), images.size() * 4, cudaMemcpyHostToDevice));
         CUDA_CHECK(cudaMemcpy(m.labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
         // FP8: its backward runs the weight gradients in line (the Gemm's first use); every
         // backward below runs them on the second stream (bf16: all but the first).
-        m.prime_fp8_scales(0, gemm, timer);
+        ts.prime_fp8_scales(0, gemm, timer);
         for (int step = 0; step < kSteps; ++step) {
           float* hand = handed[k * kSteps + step].get();
           ready[k].clear();
-          m.begin_fp8_step(0);
-          m.forward(0, gemm, timer);  // the last update, on the second stream, is waited for part by part
+          ts.begin(0);
+          ts.forward(0, gemm, timer);  // the last update, on the second stream, is waited for part by part
           // Poison: every gradient must be written. After the forward, which waited for the update
           // that read them.
           CUDA_CHECK(cudaMemsetAsync(m.grads(), 0xFF, n * 4, 0));
-          m.backward(0, gemm, timer, [&](size_t offset) {
+          ts.backward(0, gemm, timer, [&](size_t offset) {
             const size_t end = ready[k].empty() ? n : ready[k].back();
             CUDA_CHECK(cudaMemcpyAsync(hand + offset, m.grads() + offset, (end - offset) * 4,
                                        cudaMemcpyDeviceToDevice, 0));
             ready[k].push_back(offset);
           });
           CUDA_CHECK(cudaMemcpyAsync(grads[k * kSteps + step].get(), m.grads(), n * 4, cudaMemcpyDeviceToDevice, 0));
-          m.end_fp8_step(0);
+          ts.end(0);
           l2_norm(m.grads(), n, partial.get(), norm.get(), 0);
-          m.update(h, step == 0, norm.get(), 0);
+          ts.update(h, step == 0, norm.get(), 0);
         }
       }
       CUDA_CHECK(cudaDeviceSynchronize());
@@ -416,7 +434,7 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
         CHECK(written == numel);
       }
       // The last update, awaited: master weights and their bf16 copies.
-      for (ViT* m : {&one, &two}) m->await_update(0);
+      for (TrainingStep* ts : {&s_one.step, &s_two.step}) ts->await_update(0);
       const std::vector<float> params_one = download(one.params(), n), params_two = download(two.params(), n);
       CHECK(std::memcmp(params_one.data(), params_two.data(), n * 4) == 0);
       const std::vector<bf16> bf16_one = download(one.params_bf16(), n), bf16_two = download(two.params_bf16(), n);
