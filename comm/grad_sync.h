@@ -22,7 +22,7 @@
 // each bucket wholly inside that range starts its all-reduce on the communication stream at
 // once, while the backward goes on with earlier blocks. finish() starts what is left and makes
 // the compute stream wait for all of it. With a PeerGroup (every rank a GPU of this process) the
-// sums go through the copy engines instead of NCCL (peer_exchange.h): a bucket's pushes start
+// sums go through the copy engines instead of NCCL (peer_group.h): a bucket's pushes start
 // when it is ready, its owner's sum and the pushes back as soon as every peer's pushes are queued.
 class GradSync {
  public:

@@ -3,7 +3,7 @@
 // events, and which step each event was last recorded for.
 //
 // Why: NCCL's all-reduce kernels occupy SMs for as long as they run, and the backward's GEMMs,
-// which they run beside, lose more than that (BENCHMARKS.md, 19). Between GPUs of one process the
+// which they run beside, lose more than that. Between GPUs of one process the
 // same sums need no kernel on the wire: every rank pushes each peer's share of a bucket into that
 // peer's receive buffer with cudaMemcpyPeerAsync (the copy engines, over NVLink), the owner of a
 // share adds what it received (a short memory-bound kernel), and pushes the sum back to every

@@ -2,9 +2,8 @@
 // (forward, backward) timed on this card at the model's shape at start-up, the engine's own
 // auto choice (kernels/attention.h) against cuDNN's, and cuDNN taken only where it is faster by
 // more than a margin (a near tie keeps the engine's kernels, so that the choice does not flip
-// between runs on timing noise). The engine's kernels win at head dims 64 and 80 up to
-// several hundred tokens; cuDNN's at the padded head dims (88, 96), at head dim 128 past a few
-// hundred tokens, and in the forward at 1024 tokens (BENCHMARKS.md 41).
+// between runs on timing noise). Which side wins depends on the head dim and the token count,
+// and on the cuDNN version, so it is timed rather than assumed.
 #pragma once
 #include "kernels/cudnn_attention.h"
 

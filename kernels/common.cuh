@@ -75,8 +75,7 @@ namespace {  // each including file instantiates its own kernels' copies
 // Kernel attributes are per (kernel, device context): once per instantiation and device, allow
 // the kernel's dynamic shared memory (past the default 48 KB) and set its preferred carveout:
 // by default the largest shared memory, so that several blocks share an SM; a kernel that leans
-// on L1 (LayerNorm's backward re-reads its weights there: 88 -> 94 us at the largest) passes
-// cudaSharedmemCarveoutDefault.
+// on L1 (LayerNorm's backward re-reads its weights there) passes cudaSharedmemCarveoutDefault.
 template <auto Kernel>
 void prepare_kernel(int dev, int smem_bytes, int carveout = cudaSharedmemCarveoutMaxShared) {
   static std::mutex mutex;

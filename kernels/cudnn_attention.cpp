@@ -379,7 +379,7 @@ void backward_graph(CudnnAttention::Plan& p, const Layout& L, bool deterministic
   // exp(0 - lse) overflows where a query's log-sum-exp is below -88.7: the NaN reported of these
   // engines, 9.26's included (cuDNN frontend issues 160, 628 and 1072; its maintainers give this
   // mask as the remedy, and the frontend adds it itself up to 9.15). The same lengths override the
-  // products' dims, as the frontend's do. It costs the backward 1-4% (BENCHMARKS.md 43).
+  // products' dims, as the frontend's do.
   const auto seq_q = p.tensor(kSeqLenQ, CUDNN_DATA_INT32, {L.b, 1, 1, 1}, {1, 1, 1, 1});
   const auto seq_kv = p.tensor(kSeqLenKV, CUDNN_DATA_INT32, {L.b, 1, 1, 1}, {1, 1, 1, 1});
   const MatmulLengths queries_by_keys{seq_q, seq_kv, nullptr}, keys_by_queries{seq_kv, nullptr, seq_q},

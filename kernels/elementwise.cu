@@ -31,7 +31,7 @@ __global__ void gelu_forward_kernel(const Bf16x8* __restrict__ h, Bf16x8* __rest
 
 // A thread owns 8 consecutive columns over kBackwardRows rows (coalesced 16-byte accesses across
 // the warp) and sums its dh there: the bias gradient comes out of the same pass, one partial
-// row per row chunk. (cuBLASLt's BGRADB epilogue on fc1's weight gradient cost 60 us a block.)
+// row per row chunk, cheaper than cuBLASLt's BGRADB epilogue on fc1's weight gradient.
 __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict__ h, Bf16x8* dh,
                                      Bf16x8* __restrict__ a, float* __restrict__ partial, int M, int N8) {
   const int c = blockIdx.x * kBackwardThreads + threadIdx.x;
@@ -75,8 +75,7 @@ __global__ void gelu_backward_kernel(const Bf16x8* da, const Bf16x8* __restrict_
 
 // FP8 forward: the GELU output goes straight to FP8 (fc2's input), never to bf16. Row-major
 // only (the backward recomputes the transposed copy), so a flat grid-stride pass like the bf16
-// one: the tiled producer (fp8_tile.cuh), which a transposed copy needs, reached 0.55 of the
-// copy rate here (BENCHMARKS.md 36).
+// one, which streams faster than the tiled producer (fp8_tile.cuh) a transposed copy needs.
 __global__ void __launch_bounds__(fp8tile::kThreads)
     gelu_forward_fp8_kernel(const Bf16x8* __restrict__ h, size_t n8, Fp8Out o) {
   __shared__ fp8tile::BlockScratch scratch;

@@ -2,11 +2,11 @@
 // default stream timed with CUDA events, the median of 20 after 5 untimed (clocks ramped up,
 // algorithms picked, kernels loaded); before each, untimed, an optional `before` (memory_rate
 // flushes L2 there), then a lead: a kernel that keeps the GPU busy while the host records the
-// first event and enqueues the launch. Without it the GPU,
-// idle after the last synchronisation, records the first event at once and the interval holds
-// the host's launch latency too (the attention launcher encodes its tensor maps first: several
-// us against a 60 us kernel); with it the events time the GPU's work alone, as in a training
-// step whose launches run ahead of the GPU. tools/attention_bench.py leads PyTorch's the same way.
+// first event and enqueues the launch. Without it the GPU, idle after the last synchronisation,
+// records the first event at once and the interval holds the host's launch latency too (the
+// attention launcher encodes its tensor maps first); with it the events time the GPU's work
+// alone, as in a training step whose launches run ahead of the GPU. tools/attention_bench.py
+// leads PyTorch's the same way.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -38,8 +38,8 @@ __device__ __forceinline__ float ln_value(float x, float mean, float rstd, float
 
 // The output goes to bf16 y, or (kFp8) to FP8 E4M3 through o: the GEMM's row-major operand.
 // A warp takes a row at a time, every (gridDim.x * kWarps)-th: one wave of blocks walks all the
-// rows (a block a row group before: three waves at ViT-H, 3% slower). FP8: three blocks an SM
-// (at four, the row loop spilled at D 1280); bf16: two (at three it spilled at D 1408).
+// rows (no tail of partial waves). FP8: three blocks an SM, bf16: two, the most at which the row
+// loop keeps its registers at every supported D.
 template <int CHUNKS, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32, forward_blocks_per_sm(kFp8))
     layernorm_forward_kernel(const float* __restrict__ x, int x_row_stride, const float* __restrict__ w,
@@ -100,9 +100,8 @@ __device__ __forceinline__ float4 bf16x4_to_float4(uint2 u) {
 // past D = 1280, g is read after the sums: its registers would spill at two blocks an SM).
 // The column sums dy * xhat and dy go into the warp's own slice of shared memory, each lane
 // owning its columns there (no atomics, no barrier), and the block adds its warps' slices into
-// one partial row at the end. Keeping those sums in registers instead took 80 more registers a
-// thread (141 us at ViT-H's shape), and a second kernel re-reading x and dy from memory for them
-// made the pass 131 us against this one's 88 (100 in blocks of 16 rows, three waves of them).
+// one partial row at the end: in registers they would cost a thread 80 more registers (half the
+// occupancy), and a second kernel would read x and dy from memory again.
 template <int CHUNKS>
 __global__ void __launch_bounds__(kWarps * 32, 2)
     layernorm_backward_kernel(const bf16* __restrict__ dy, const float* __restrict__ x, int row_stride,

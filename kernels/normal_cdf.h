@@ -5,7 +5,7 @@
 // Phi(-|x|) = exp(-x^2 / 2) t P(t), t = 1 / (1 + 0.4 |x|), P a degree-9 polynomial fitted on
 // t in [0, 1] (tools/fit_normal_cdf.py); Phi(x) = 1 - Phi(-x) for x >= 0. One reciprocal, one
 // exp2, ten fmas and multiplies, one select: about half the instructions of erff's two-branch
-// polynomial, which bound the GELU kernels (BENCHMARKS.md 36). Over every bf16 x below 64 in
+// polynomial, in GELU kernels that instruction issue bounds. Over every bf16 x below 64 in
 // magnitude (host arithmetic; the test's bounds in brackets) the tail's relative error is at most
 // 5.2e-7 for |x| < 4 [6e-7] and 3.5e-6 beyond [4e-6] (the exponent's rounding), where the usual
 // 0.5 (1 + erf(x / sqrt 2)) loses Phi(x)'s digits to cancellation as x goes negative (all of them

@@ -2,9 +2,9 @@
 // the gradient exchange's sums, FP8 scale updates, evaluation, checksums) are loaded into the
 // context at start-up instead. Under CUDA's lazy loading (the default) a kernel's first launch
 // loads it, which can synchronize the context; in a data-parallel run whose ranks are threads of
-// one process that stalled two ranks: one inside the loading launch, its queue holding a
-// collective the other had not queued yet, the other inside a cross-device cudaStreamWaitEvent
-// on the first one's event (BENCHMARKS.md 22).
+// one process that can stall two ranks: one inside the loading launch, its queue holding a
+// collective the other has not queued yet, the other inside a cross-device cudaStreamWaitEvent
+// on the first one's event.
 #pragma once
 #include <cstddef>
 

@@ -27,9 +27,8 @@ __global__ void colsum_partial_kernel(const T* __restrict__ x, int M, int N, int
 }
 
 // Stage two: a block owns 32 columns and its 8 warps split the R rows (a lane per column, so
-// each row's read is one coalesced 128-byte access), then add their sums in a fixed order.
-// A thread per column summing all R rows alone was latency-bound: ~400 dependent loads in a
-// grid of a handful of blocks for LayerNorm's weight gradients.
+// each row's read is one coalesced 128-byte access), then add their sums in a fixed order:
+// a thread per column summing all R rows alone would be a chain of dependent loads.
 __global__ void sum_rows_kernel(const float* __restrict__ partial, int R, int N, int ld,
                                 float* __restrict__ out) {
   __shared__ float sums[kSumWarps][32];

@@ -694,7 +694,7 @@ TEST_CASE("gpu: cuDNN's fused attention against the reference") {
 // Every score of a row far below zero (log-sum-exp about -115): the engine's kernels subtract the
 // log-sum-exp before exponentiating, so nothing overflows. cuDNN's fused backward is reported to
 // return NaN here where its last key tile runs past T; the padding mask in its graph
-// (engine/cudnn_attention.cpp) is the remedy, and both must give finite, correct gradients.
+// (kernels/cudnn_attention.cpp) is the remedy, and both must give finite, correct gradients.
 TEST_CASE("gpu: attention where every score is far below zero, the engine's and cuDNN's") {
   SKIP_WITHOUT_GPU();
   FRESH_RNG(rng);
