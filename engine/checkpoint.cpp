@@ -14,6 +14,7 @@
 #include <sstream>
 #include <vector>
 
+#include "engine/checkpoint_dir.h"
 #include "engine/safetensors.h"
 #include "engine/training_step.h"
 #include "kernels/check.h"
@@ -22,13 +23,7 @@
 
 namespace fs = std::filesystem;
 
-bool is_checkpoint_dir(const std::string& path) {
-  const fs::path p(path);
-  return fs::is_directory(p) && fs::exists(p / "model.safetensors") && fs::exists(p / "state.safetensors");
-}
-
 namespace {
-constexpr const char* kPrefix = "step-";
 
 template <class T>
 std::vector<T> to_host(const T* device, size_t n, cudaStream_t stream) {
@@ -58,24 +53,6 @@ void fsync_path(const std::string& path, bool dir) {
   if (r != 0) throw RuntimeError("cannot flush " + path + ": " + std::strerror(errno));
 }
 
-// The step in a checkpoint directory's name, or -1.
-long long step_of(const fs::path& p) {
-  const std::string n = p.filename().string();
-  if (n.rfind(kPrefix, 0) != 0 || n.size() == std::strlen(kPrefix)) return -1;
-  for (size_t i = std::strlen(kPrefix); i < n.size(); ++i)
-    if (n[i] < '0' || n[i] > '9') return -1;
-  return std::stoll(n.substr(std::strlen(kPrefix)));
-}
-
-std::vector<fs::path> checkpoints_in(const std::string& dir) {
-  std::vector<fs::path> out;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec))
-    if (step_of(e.path()) >= 0 && is_checkpoint_dir(e.path().string())) out.push_back(e.path());
-  std::sort(out.begin(), out.end(), [](const fs::path& a, const fs::path& b) { return step_of(a) < step_of(b); });
-  return out;
-}
-
 void copy_to_device(float* dst, const std::vector<float>& src, cudaStream_t stream) {
   CUDA_CHECK(cudaMemcpyAsync(dst, src.data(), src.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -96,7 +73,7 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir)) throw RuntimeError("cannot create checkpoint directory " + dir + ": " + ec.message());
   char name[32];
-  std::snprintf(name, sizeof name, "%s%08d", kPrefix, state.step);
+  std::snprintf(name, sizeof name, "%s%08d", kCheckpointPrefix, state.step);
   const fs::path final_path = fs::path(dir) / name, tmp = fs::path(dir) / (std::string(".") + name + ".tmp");
   fs::remove_all(tmp, ec);
   if (!fs::create_directory(tmp, ec)) throw RuntimeError("cannot create " + tmp.string() + ": " + ec.message());
@@ -146,8 +123,9 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
   }
   // The newest `keep` up to this step stay; checkpoints of later steps (another run's, in the
   // same directory) are left alone.
-  std::vector<fs::path> all = checkpoints_in(dir);
-  all.erase(std::remove_if(all.begin(), all.end(), [&](const fs::path& p) { return step_of(p) > state.step; }),
+  std::vector<std::string> all = checkpoints_in(dir);
+  all.erase(std::remove_if(all.begin(), all.end(),
+                           [&](const std::string& p) { return checkpoint_step(p) > state.step; }),
             all.end());
   for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i], ec);
   return final_path.string();
@@ -177,19 +155,6 @@ std::vector<std::string> resume_differences(const std::string& run_txt, const Tr
     if (it != had.end() && it->second != line) out.push_back(it->second + " -> " + line);
   }
   return out;
-}
-
-std::string newest_checkpoint_in(const std::string& dir) {
-  const std::vector<fs::path> all = checkpoints_in(dir);
-  return all.empty() ? "" : all.back().string();
-}
-
-std::string latest_checkpoint(const std::string& dir) {
-  if (is_checkpoint_dir(dir)) return dir;
-  if (!fs::is_directory(dir)) throw RuntimeError("--resume " + dir + ": no such directory");
-  const std::string newest = newest_checkpoint_in(dir);
-  if (newest.empty()) throw RuntimeError("--resume " + dir + ": no checkpoint (" + kPrefix + "* with model.safetensors and state.safetensors) in it");
-  return newest;
 }
 
 InitialState read_checkpoint(const std::string& path, const TrainOptions& opts, int world) {
@@ -305,17 +270,4 @@ void upload(const InitialState& initial, TrainingStep& training, cudaStream_t st
   }
   model.refresh_weight_copies(stream);
   CUDA_CHECK(cudaStreamSynchronize(stream));
-}
-
-void check_writable_dir(const std::string& dir, const std::string& flag) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec || !fs::is_directory(dir))
-    throw RuntimeError(flag + " " + dir + ": cannot create checkpoint directory " + dir + ": " +
-                       (ec ? ec.message() : std::string("not a directory")));
-  const std::string probe = (fs::path(dir) / ".vit_train_write_test").string();
-  std::FILE* f = std::fopen(probe.c_str(), "w");
-  if (!f) throw RuntimeError(flag + " " + dir + ": cannot write in it: " + std::strerror(errno));
-  std::fclose(f);
-  std::remove(probe.c_str());
 }

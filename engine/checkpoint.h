@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/checkpoint_dir.h"
 #include "engine/cli.h"
 #include "model/config.h"
 
@@ -44,13 +45,6 @@ struct InitialState {
 std::string save_checkpoint(const std::string& dir, int keep, const CheckpointState& state, TrainingStep& step,
                             const TrainOptions& opts, int world, cudaStream_t stream);
 
-// The newest complete checkpoint under dir (dir itself if it is one); throws if there is none.
-std::string latest_checkpoint(const std::string& dir);
-// The newest complete checkpoint directly under dir, or "" (none there, or no such directory).
-std::string newest_checkpoint_in(const std::string& dir);
-// Whether path is one complete checkpoint (a directory with model.safetensors and state.safetensors).
-bool is_checkpoint_dir(const std::string& path);
-
 // The lines of a checkpoint's run.txt that say what sets the batches and the learning rates:
 // "seed N", "data KIND[:DIR]", "schedule ..." (from the options).
 std::string run_schedule_text(const TrainOptions& opts);
@@ -70,7 +64,3 @@ InitialState read_timm_weights(const std::string& file, const ViTConfig& model);
 // Writes the state into the step's model, optimizer and FP8 recipe (momentum zero where the
 // state has none) and refreshes the weight copies. Synchronises the stream.
 void upload(const InitialState& initial, TrainingStep& step, cudaStream_t stream);
-
-// Creates dir if needed and checks that a file can be written in it; throws RuntimeError
-// ("<flag> DIR: cause") otherwise. Used up front, so that a run does not end unable to save.
-void check_writable_dir(const std::string& dir, const std::string& flag);

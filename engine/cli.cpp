@@ -12,7 +12,7 @@
 #include <map>
 #include <set>
 
-#include "engine/checkpoint.h"
+#include "engine/checkpoint_dir.h"
 #include "engine/dataset.h"
 #include "kernels/check.h"
 

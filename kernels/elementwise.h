@@ -6,7 +6,7 @@
 
 #include <cstddef>
 
-#include "kernels/fp8.h"
+#include "kernels/fp8_out.h"
 
 // a = gelu(h), n elements (n % 8 == 0, 16-byte aligned).
 void gelu_forward(const __nv_bfloat16* h, __nv_bfloat16* a, size_t n, cudaStream_t stream);

@@ -9,23 +9,7 @@
 
 #include <cstdint>
 
-enum class Fp8Kind { E4M3, E5M2 };
-
-// Where a producer writes its FP8 tensor [rows, cols] and what it records.
-//   scale null: nothing is written, only the amax measured (the current recipe's first pass).
-//   out [rows, cols] and out_t [cols, rows]: either may be null.
-//   amax: *amax = max(*amax, max |v|); a NaN makes it NaN, so a non-finite tensor is seen.
-//   stats (may be null): stats[0] += values that are not zero but encode to zero (underflow),
-//   stats[1] += values whose scaled magnitude exceeds the format's largest (saturation),
-//   stats[2] += values written.
-struct Fp8Out {
-  Fp8Kind kind = Fp8Kind::E4M3;
-  const float* scale = nullptr;
-  uint8_t* out = nullptr;
-  uint8_t* out_t = nullptr;
-  float* amax = nullptr;
-  unsigned long long* stats = nullptr;
-};
+#include "kernels/fp8_out.h"
 
 // The cast of a bf16 tensor [rows, cols] (both multiples of 8). db (may be null): the column
 // sums of in, the bias gradient of the layer whose output gradient in is, through partial
@@ -39,11 +23,7 @@ size_t fp8_cast_partial_floats(int rows, int cols);
 void transpose_fp8(const uint8_t* in, int rows, int cols, uint8_t* out_t, cudaStream_t stream);
 
 // The casts of count same-shaped tensors in one launch: tensor z reads in + z * in_stride and
-// writes through first's pointers advanced by z times the byte strides (scale and amax share
-// one: they live in one record). For many small tensors (the weights) one launch fills the GPU
-// where one launch a tensor does not.
-struct Fp8Strides {
-  size_t out = 0, out_t = 0, meta = 0, stats = 0;
-};
+// writes through first's pointers advanced by z times strides. For many small tensors (the
+// weights) one launch fills the GPU where one launch a tensor does not.
 void cast_to_fp8_batched(const __nv_bfloat16* in, size_t in_stride, int rows, int cols, const Fp8Out& first,
                          const Fp8Strides& strides, int count, cudaStream_t stream);

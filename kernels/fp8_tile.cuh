@@ -7,7 +7,7 @@
 #include <cuda_fp8.h>
 
 #include "kernels/common.cuh"
-#include "kernels/fp8.h"
+#include "kernels/fp8_out.h"
 
 namespace fp8tile {
 constexpr int kTileRows = 64, kTileCols = 128, kThreads = 256, kVec = 8;
@@ -191,8 +191,8 @@ __device__ __forceinline__ Fp8Out batch_member(Fp8Out o, const Fp8Strides& s, si
 // A block walks the column of tiles blockIdx.x, every gridDim.y-th row tile from blockIdx.y: a
 // fixed number of tiles (kTilesPerBlock, so the partial sums, and the results, do not depend on
 // the card), issuing the next tile's loads before it converts the current one, so that its reads
-// stay in flight through its arithmetic and stores. One tile a block left a block's successor's
-// loads waiting behind its whole life: the casts ran at half the card's copy rate (BENCHMARKS 35).
+// stay in flight through its arithmetic and stores (with one tile a block, a block's successor's
+// loads would wait behind its whole life).
 constexpr int kTilesPerBlock = 8;
 __host__ __device__ inline int tile_rows(int rows) { return (rows + kTileRows - 1) / kTileRows; }
 // Row blocks of a producer's grid; so also the rows of partial a producer with column sums fills.

@@ -4,7 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "kernels/fp8.h"
+#include "kernels/fp8_out.h"
 
 // y[M, D] (bf16, contiguous) = LN(x), x rows at x_row_stride elements; saves mean, rstd [M].
 void layernorm_forward(const float* x, int x_row_stride, const float* w, const float* b,

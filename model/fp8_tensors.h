@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "kernels/fp8.h"
+#include "kernels/fp8_out.h"
 #include "kernels/fp8_scaling.h"
 
 class Fp8Tensors {

@@ -1,0 +1,60 @@
+#include "engine/checkpoint_dir.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "kernels/check.h"
+
+namespace fs = std::filesystem;
+
+bool is_checkpoint_dir(const std::string& path) {
+  const fs::path p(path);
+  return fs::is_directory(p) && fs::exists(p / "model.safetensors") && fs::exists(p / "state.safetensors");
+}
+
+long long checkpoint_step(const std::string& path) {
+  const std::string n = fs::path(path).filename().string();
+  if (n.rfind(kCheckpointPrefix, 0) != 0 || n.size() == std::strlen(kCheckpointPrefix)) return -1;
+  for (size_t i = std::strlen(kCheckpointPrefix); i < n.size(); ++i)
+    if (n[i] < '0' || n[i] > '9') return -1;
+  return std::stoll(n.substr(std::strlen(kCheckpointPrefix)));
+}
+
+std::vector<std::string> checkpoints_in(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (checkpoint_step(e.path().string()) >= 0 && is_checkpoint_dir(e.path().string())) out.push_back(e.path().string());
+  std::sort(out.begin(), out.end(),
+            [](const std::string& a, const std::string& b) { return checkpoint_step(a) < checkpoint_step(b); });
+  return out;
+}
+
+std::string newest_checkpoint_in(const std::string& dir) {
+  const std::vector<std::string> all = checkpoints_in(dir);
+  return all.empty() ? "" : all.back();
+}
+
+std::string latest_checkpoint(const std::string& dir) {
+  if (is_checkpoint_dir(dir)) return dir;
+  if (!fs::is_directory(dir)) throw RuntimeError("--resume " + dir + ": no such directory");
+  const std::string newest = newest_checkpoint_in(dir);
+  if (newest.empty()) throw RuntimeError("--resume " + dir + ": no checkpoint (" + kCheckpointPrefix + "* with model.safetensors and state.safetensors) in it");
+  return newest;
+}
+
+void check_writable_dir(const std::string& dir, const std::string& flag) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir))
+    throw RuntimeError(flag + " " + dir + ": cannot create checkpoint directory " + dir + ": " +
+                       (ec ? ec.message() : std::string("not a directory")));
+  const std::string probe = (fs::path(dir) / ".vit_train_write_test").string();
+  std::FILE* f = std::fopen(probe.c_str(), "w");
+  if (!f) throw RuntimeError(flag + " " + dir + ": cannot write in it: " + std::strerror(errno));
+  std::fclose(f);
+  std::remove(probe.c_str());
+}

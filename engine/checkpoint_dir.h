@@ -1,0 +1,21 @@
+// Checkpoint directories on disk: DIR/step-NNNNNNNN, each complete one holding model.safetensors
+// and state.safetensors (engine/checkpoint.h writes and reads them).
+#pragma once
+#include <string>
+#include <vector>
+
+constexpr const char* kCheckpointPrefix = "step-";
+
+// Whether path is one complete checkpoint (a directory with model.safetensors and state.safetensors).
+bool is_checkpoint_dir(const std::string& path);
+// The step in a checkpoint directory's name, or -1.
+long long checkpoint_step(const std::string& path);
+// The complete checkpoints directly under dir, oldest first (none if there is no such directory).
+std::vector<std::string> checkpoints_in(const std::string& dir);
+// The newest complete checkpoint directly under dir, or "" (none there, or no such directory).
+std::string newest_checkpoint_in(const std::string& dir);
+// The newest complete checkpoint under dir (dir itself if it is one); throws if there is none.
+std::string latest_checkpoint(const std::string& dir);
+// Creates dir if needed and checks that a file can be written in it; throws RuntimeError
+// ("<flag> DIR: cause") otherwise. Used up front, so that a run does not end unable to save.
+void check_writable_dir(const std::string& dir, const std::string& flag);
