@@ -27,7 +27,7 @@ TEST_SRC := $(wildcard tests/*.cpp tests/reference/*.cpp)
 LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all test bench profile clean test-deps
+.PHONY: all test bench profile clean build-deps test-deps
 all: vit_train gemm_rate loader_rate attention_rate attention_trace tma_rate memory_rate launch_gap
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
@@ -90,14 +90,16 @@ $(BUILD)/tests/%.o: tests/%.cpp | test-deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $(TEST_INCLUDES) -c $< -o $@
 
-$(BUILD)/%.o: %.cpp
+$(BUILD)/%.o: %.cpp | build-deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) -c $< -o $@
 
-# Eigen and doctest, the test tiers' only dependencies: installed when missing (as root), or
-# the exact command to run is printed.
+# Debian packages the build needs (zlib; for the tests also Eigen, doctest, libturbojpeg and
+# libpng): installed when missing (as root), or the exact command to run is printed.
+build-deps:
+	@tools/ensure_deps.sh build
 test-deps:
-	@tools/ensure_test_deps.sh
+	@tools/ensure_deps.sh test
 
 test: test-deps vit_train vit_tests pack_images $(BUILD)/stub/kernels/cudnn_attention.o
 	./vit_tests
@@ -114,8 +116,9 @@ bench: vit_train gemm_rate
 	tools/bench.sh
 	./gemm_rate
 
-# An Nsight Systems capture of steps 10..14 (needs nsys on the PATH).
+# An Nsight Systems capture of steps 10..14. nsys is a separate install (NVIDIA Nsight Systems).
 profile: vit_train
+	@command -v nsys >/dev/null || { echo "make profile needs Nsight Systems' nsys on the PATH (a separate install: https://developer.nvidia.com/nsight-systems); the capture it would run: nsys profile --capture-range=cudaProfilerApi --trace=cuda,nvtx ./vit_train --steps 15 --profile-steps 10:14" >&2; exit 1; }
 	nsys profile --capture-range=cudaProfilerApi --trace=cuda,nvtx -o vit_train_profile \
 	  ./vit_train --steps 15 --profile-steps 10:14
 

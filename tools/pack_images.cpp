@@ -186,10 +186,23 @@ void write_whole(const fs::path& path, const std::vector<std::pair<const void*, 
   fs::rename(tmp, path);
 }
 
+constexpr const char* kUsage = "usage: pack_images SRC_DIR OUT_DIR [--size 256] [--shard-images 1024] [--threads N]\n";
+
 [[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr, "pack_images: %s\nusage: pack_images SRC_DIR OUT_DIR [--size 256] [--shard-images 1024] [--threads N]\n",
-               why.c_str());
+  std::fprintf(stderr, "pack_images: %s\n%s", why.c_str(), kUsage);
   std::exit(2);
+}
+
+void print_help() {
+  std::printf("%s"
+              "Packs an ImageFolder tree (SRC_DIR/CLASS/IMAGE, JPEG or PNG) for vit_train --data packed:DIR:\n"
+              "every image decoded, its shorter side resized to SIZE, centre-cropped to SIZE x SIZE, RGB,\n"
+              "written to OUT_DIR (new or empty) as shards with a classes.txt. Unreadable images are\n"
+              "skipped and listed. Pack DIR/train and DIR/val for training with evaluation.\n"
+              "  --size N          the square images' side (default 256)\n"
+              "  --shard-images N  images per shard file (default 1024)\n"
+              "  --threads N       decoding threads (default: every core)\n",
+              kUsage);
 }
 int int_arg(const std::string& flag, const char* v, int lo, int hi) {
   char* end = nullptr;
@@ -204,6 +217,10 @@ int main(int argc, char** argv) {
   int size = 256, shard_images = 1024, threads = std::max(1u, std::thread::hardware_concurrency());
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      print_help();
+      return 0;
+    }
     if (a == "--size" || a == "--shard-images" || a == "--threads") {
       if (i + 1 >= argc) usage(a + " needs a value");
       const char* v = argv[++i];
