@@ -100,17 +100,17 @@ void Trainer::print_summary() const {
   size_t total = gemm_workspaces();
   for (int c = 0; c < kMemoryCategories; ++c) {
     const auto category = static_cast<MemoryCategory>(c);
-    std::printf("    %-42s %9.2f GiB\n", DeviceMemory::name(category), gib(memory_.bytes(category)));
+    std::printf("    %-46s %9.2f GiB\n", DeviceMemory::name(category), gib(memory_.bytes(category)));
     total += memory_.bytes(category);
   }
-  std::printf("    %-42s %9.2f GiB\n", second_stream_ ? "cuBLASLt workspaces (two streams)" : "cuBLASLt workspace",
+  std::printf("    %-46s %9.2f GiB\n", second_stream_ ? "cuBLASLt workspaces (two streams)" : "cuBLASLt workspace",
               gib(gemm_workspaces()));
   if (cudnn_attention_) {
-    std::printf("    %-42s %9.2f GiB\n", "cuDNN attention (workspace, plans' buffers)",
+    std::printf("    %-46s %9.2f GiB\n", "cuDNN attention (workspace, plans' buffers)",
                 gib(cudnn_attention_->device_bytes()));
     total += cudnn_attention_->device_bytes();
   }
-  std::printf("    %-42s %9.2f GiB\n", "total", gib(total));
+  std::printf("    %-46s %9.2f GiB\n", "total", gib(total));
   std::fflush(stdout);
 }
 

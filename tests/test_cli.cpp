@@ -207,7 +207,7 @@ TEST_CASE("attention choice: cuDNN only where more than 5% faster, each directio
     c.decide();
     return std::make_pair(c.cudnn_forward, c.cudnn_backward);
   };
-  CHECK(choose(0.061, 0.084, 0.155, 0.294) == std::make_pair(false, false));  // ViT-H/16 (BENCHMARKS 41)
+  CHECK(choose(0.061, 0.084, 0.155, 0.294) == std::make_pair(false, false));  // ViT-H/16
   CHECK(choose(0.226, 0.109, 0.469, 0.375) == std::make_pair(true, true));    // (16, 16, 577, 128)
   CHECK(choose(0.076, 0.064, 0.262, 0.239) == std::make_pair(true, true));    // hd 128 at 197 tokens
   CHECK(choose(0.060, 0.083, 0.665, 0.479) == std::make_pair(false, true));   // one direction only

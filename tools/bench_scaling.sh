@@ -3,9 +3,9 @@
 # alone, in turn) and on N GPUs in each precision, and PyTorch (timm ViT-H/16, bf16 autocast, batch
 # on the GPU) eager on 1 GPU and DistributedDataParallel on N, all at batch 64 per GPU. Scaling
 # efficiency = 1-GPU step time / N-GPU step time (the same work per GPU), against card 0 (where a
-# 1-GPU run lands by default) and against the slowest card: the cards of one machine differ by
-# up to ~2.5% at the power cap, and a synchronous step waits for its slowest card every step
-# (BENCHMARKS.md 20, 23). The N-GPU runs go once with the default exchange (the copy engines) and
+# 1-GPU run lands by default) and against the slowest card: the cards of one machine differ
+# by a few percent at the power cap, and a synchronous step waits for its slowest card every
+# step. The N-GPU runs go once with the default exchange (the copy engines) and
 # once with --allreduce nccl. ROUNDS > 1 repeats the engine's runs in turn (cards alone, N GPUs,
 # N GPUs over NCCL; again) and reports each configuration's median: step times drift by ~1%
 # within a call. Then one N-GPU --timing run per precision: the all-reduce summary (how much of

@@ -1,8 +1,8 @@
 // launch_gap: what a kernel boundary costs on this GPU, launched on a stream and inside a CUDA
 // graph. N dependent kernels that each keep every SM busy for D us are timed with events behind a
 // lead (the host enqueues all N while the GPU waits on it); the gap is (total - N D) / N. With
-// ~600 launches on a ViT-H step's critical path, the difference between the two is what
-// capturing the step in a graph could save (BENCHMARKS.md 39).
+// hundreds of launches on a ViT-H step's critical path, the difference between the two is what
+// capturing the step in a graph could save.
 // Usage: launch_gap
 #include <cuda_runtime.h>
 

@@ -6,7 +6,7 @@ Usage: python3 tools/pytorch_baseline.py [--dim 1280 --depth 32 --heads 16 --img
        python3 -m torch.distributed.run --nproc_per_node N tools/pytorch_baseline.py [...]
            (DistributedDataParallel over NCCL, --batch per GPU, PyTorch's default 25 MB buckets)
 
-The seed's training step (see shared/MODEL_SPEC.md) with the batch already on the GPU, so that only
+The training step of docs/MODEL.md's baseline, with the batch already on the GPU, so that only
 the step is timed: zero_grad(set_to_none=True); forward and loss under bf16 autocast; backward; step.
 Each step is timed with CUDA events; the first --warmup steps are run but not counted, then --steps
 steps are. Prints a table and, last, one line:

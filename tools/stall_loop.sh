@@ -2,7 +2,7 @@
 # Runs a small two-GPU training (one process, one thread per GPU) again and again and reports the
 # runs that stall: each run stops itself after --comm-timeout seconds without a step, and its
 # message names what every rank was doing. For rare start-up or first-step hangs of the
-# data-parallel path (BENCHMARKS.md 22: ~1 run in 20 stalled before a fix).
+# data-parallel path.
 # Usage: tools/stall_loop.sh [RUNS=40] [extra vit_train flags...]   (needs 2 GPUs and ./vit_train)
 set -uo pipefail
 runs=${1:-40}
