@@ -51,12 +51,13 @@ loader_rate: $(LIB_OBJ) $(BUILD)/tools/loader_rate.o
 attention_rate: $(LIB_OBJ) $(BUILD)/tools/attention_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
-# The resident attention kernels' phases, CTA by CTA: their file compiled again with its stamps.
-TRACED_OBJ := $(BUILD)/traced/kernels/attention_resident.o
-attention_trace: $(filter-out $(BUILD)/kernels/attention_resident.o,$(LIB_OBJ)) $(TRACED_OBJ) $(BUILD)/tools/attention_trace.o
+# The resident attention kernels' phases, CTA by CTA: their files compiled again with the stamps.
+TRACED := kernels/attention_resident_forward kernels/attention_resident_backward
+TRACED_OBJ := $(TRACED:%=$(BUILD)/traced/%.o)
+attention_trace: $(filter-out $(TRACED:%=$(BUILD)/%.o),$(LIB_OBJ)) $(TRACED_OBJ) $(BUILD)/tools/attention_trace.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
-$(TRACED_OBJ): kernels/attention_resident.cu
+$(BUILD)/traced/%.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS_TRACED) -DATTENTION_TRACE -c $< -o $@
 

@@ -18,8 +18,8 @@
 // The forward's kernels. Streamed: mma.sync, one block per 64-query tile with the keys streamed
 // through shared memory, any T. Resident: wgmma (sm_90a), one CTA per (image, head) with K and V
 // resident, for hd 64 (T <= 832), 80 (T <= 656) or 128 (T <= 384) (attention_forward_resident_supported;
-// kernels/attention_resident.cu). Auto: Resident wherever it applies from 65 tokens on, where it
-// is the faster (ViT's 65, 145, 197, 257 and 577 tokens), else Streamed.
+// kernels/attention_resident_forward.cu). Auto: Resident wherever it applies from 65 tokens on,
+// where it is the faster, else Streamed.
 enum class AttentionForward { Auto, Streamed, Resident };
 bool attention_forward_resident_supported(int T, int hd);
 // The forward Auto takes at (T, hd) on the current device.
@@ -37,9 +37,8 @@ void attention_forward(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse,
 // with three specialised warpgroups, for hd 64 or 80 on sm_90a, T <= 256 in one CTA per (image,
 // head) (to 272: the keys past 256 as a narrow tile of the same CTA), up to 1024 tokens in blocks
 // of 256 keys a CTA, and for hd 128 in blocks of 128 keys up to 1024 tokens
-// (attention_resident_supported;
-// kernels/attention_resident.cu). Auto: the fastest that applies, SinglePass, then Resident, then
-// Streamed (BENCHMARKS.md 24, 33, 34).
+// (attention_resident_supported; kernels/attention_resident_backward.cu). Auto: the fastest that
+// applies, SinglePass, then Resident, then Streamed.
 enum class AttentionBackward { Auto, Streamed, SinglePass, Resident };
 bool attention_single_pass_supported(int T, int hd);
 bool attention_resident_supported(int T, int hd);

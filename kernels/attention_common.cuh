@@ -1,7 +1,7 @@
-// What the attention kernels share (kernels/attention.cu, kernels/attention_resident.cu): PTX
-// wrappers and the device's limits (queried once per device); exp2_approx (approx_math.h) and
-// pack_bf16x2 (common.cuh) come from the shared headers. Everything in an anonymous
-// namespace: each including file gets its own copy.
+// What every attention file shares (the mma.sync kernels', the resident ones', the dispatch):
+// PTX wrappers and the device's limits (queried once per device); exp2_approx (approx_math.h) and
+// pack_bf16x2 (common.cuh) come from the shared headers. Everything in an anonymous namespace:
+// each including file gets its own copy.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

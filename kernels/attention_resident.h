@@ -1,7 +1,7 @@
 // The attention forward and backward with their operands resident in shared memory, on wgmma
 // (sm_90a): one CTA per (image, head). Backward: hd 64 or 80, T <= 256 (up to 1024 tokens in key
 // blocks, below; hd 128 always in key blocks). Forward: hd 64, 80 or 128,
-// T as far as K and V fit in shared memory (832, 656, 384 tokens; kernels/attention_resident.cu).
+// T as far as K and V fit in shared memory (832, 656, 384 tokens; kernels/attention_resident_forward.cu).
 // Reached through attention_forward and attention_backward (kernels/attention.h,
 // AttentionForward::Resident, AttentionBackward::Resident), which validate the arguments; the same
 // contracts. Up to 256 tokens at hd 64 and 80 the backward computes rowsum(dout * out) itself (no
@@ -15,9 +15,8 @@
 // Whether (T, hd) runs on these kernels on device dev (sm_90a, enough shared memory).
 bool attention_resident_fits(int T, int hd, int dev);
 bool attention_forward_resident_fits(int T, int hd, int dev);
-// Whether it is the faster forward there, as measured (BENCHMARKS.md 27): from two 64-query tiles
-// on (65-256 tokens: 13-24% faster at 65, 128, 145, 197 and 236), not at one (at 50 tokens, hd
-// 64, 0.019 ms against the streamed kernel's 0.016).
+// Whether it is the faster forward there: from two 64-query tiles on, not at one (where the
+// streamed kernel, which starts sooner, is).
 bool attention_forward_resident_preferred(int T, int hd, int dev);
 
 void attention_forward_resident(const __nv_bfloat16* qkv, __nv_bfloat16* out, float* lse, int B, int T, int H, int hd,

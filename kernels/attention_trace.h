@@ -1,4 +1,4 @@
-// Phase stamps of the resident attention kernels (kernels/attention_resident.cu), for
+// Phase stamps of the resident attention kernels (kernels/attention_resident_*.cu), for
 // tools/attention_trace. Compiled in only with -DATTENTION_TRACE (make attention_trace builds a
 // second copy of the kernels so); the kernels vit_train runs carry no stamping code.
 // Per CTA kSlots 64-bit words: the start's globaltimer (ns) and clock64, the SM, the end's
@@ -31,4 +31,7 @@ enum Slot : int {
 // Where the stamping kernels write (nullptr: they do not): B H rows of kSlots words, row
 // blockIdx.y * gridDim.x + blockIdx.x. Only in the traced build.
 void set_buffer(unsigned long long* buffer);
+// Its two halves: the forward's and the backward's translation units hold a pointer each.
+void set_forward_buffer(unsigned long long* buffer);
+void set_backward_buffer(unsigned long long* buffer);
 }  // namespace attention_trace

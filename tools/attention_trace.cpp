@@ -1,6 +1,7 @@
 // attention_trace: where the resident attention kernels' time goes, CTA by CTA (the forward, and
 // the backward up to 256 tokens: its key blocks, past that, stamp nothing). Linked against
-// kernels/attention_resident.cu compiled with -DATTENTION_TRACE (make attention_trace), whose
+// kernels/attention_resident_{forward,backward}.cu compiled with -DATTENTION_TRACE (make
+// attention_trace), whose
 // kernels stamp clock64 at their phases (kernels/attention_trace.h); one stamped launch of each
 // after three unstamped. Prints, per phase, the time from the CTA's start (median, 10th and 90th
 // percentile over the CTAs, microseconds) and, per kernel, the CTA durations and how many CTAs an

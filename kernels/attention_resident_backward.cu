@@ -1,9 +1,8 @@
-// The attention backward (and, further down, the forward) for short sequences on Hopper's
-// warpgroup MMAs (wgmma, sm_90a), every operand resident in shared memory: one CTA per (image,
-// head), T <= 256, hd 64 or 80 (past 256, and at hd 128, in key blocks, below; the forward also
-// hd 128, and longer T: see there). Backward: Q, K, V and dO are loaded once (n = ceil(T/64) tiles of 64 rows each)
-// and S and dP are computed once: the streamed kernels (attention.cu) read the other side 4 times
-// over and compute both twice.
+// The resident attention backward on Hopper's warpgroup MMAs (wgmma, sm_90a), every operand
+// resident in shared memory (kernels/attention_resident.cuh): one CTA per (image, head), T <= 256,
+// hd 64 or 80 (past 256, and at hd 128, in key blocks, below). Q, K, V and dO are loaded once
+// (n = ceil(T/64) tiles of 64 rows each) and S and dP are computed once, where the streamed
+// kernels (attention_streamed_backward.cu) read the other side 4 times over and compute both twice.
 // Three warpgroups:
 //   WG 0 (rows): per query tile i and key tile c: S = Q_i K_c^T, dP = dO_i V_c^T, P, and
 //     dS = P (dP - delta) into staging slot c (bf16); then dQ_i = dS_i K over the slots, staged in
@@ -34,84 +33,16 @@
 // goes, fp32, to the block's own plane of a workspace; dq_planes_sum_kernel adds the planes in
 // order (deterministic). A CTA's key-tile count
 // is a template argument (the whole blocks in one launch, the last in another): worked out at run
-// time, it made ptxas serialize the wgmmas. The last query tile takes the key_tile path even where
-// few_rows would apply (few_rows faulted under compute-sanitizer memcheck while the count was a
-// run-time value; BENCHMARKS.md 33).
-// Shared-memory layouts:
-//   Operand tiles "wide" (wide_offset): columns 0-63 in the 128-byte swizzle (128-byte rows), then
-//     at hd 80 columns 64-79 in the 32-byte swizzle, at hd 128 columns 64-127 in the 128-byte one.
-//     The backward's Q, dO, K, V, O tiles and the forward's Q, K (and V at hd 64, 128) are so. TMA
-//     writes them (the maps end at T: zeros past it), and no warp copies anything; wide_kdesc
-//     reads a tile K-major (as A or B over hd), wide_mma MN-major (as B with K = the rows: dO, Q
-//     for dV, dK; K for dQ), at hd 80 as two MMAs 64 and 16 columns wide. The forward's V at hd 80
-//     stays in 32-byte-swizzle chunks of 16 columns (chunks_mn_desc), read by one m64n80 MMA.
-//   Slot, 64 queries x 64 keys (P, then dS; written by the threads, no swizzle): vector k (keys
-//     8k..8k+7) of query r at (r/8) * 1024 + k*128 + (r%8)*16: K-major for dS as A of dQ (LBO 128,
-//     SBO 1024), MN-major for P^T and dS^T as A of dV and dK (M = keys; LBO 1024 along the
-//     queries, SBO 128).
-#include "kernels/attention_resident.h"
-
+// time, it makes ptxas serialize the wgmmas. The last query tile takes the key_tile path even where
+// few_rows would apply (few_rows is for a lone partial tile, not a key block's last).
 #include <cmath>
 #include <string>
 #include <utility>
 
-#include "kernels/check.h"
-#include "kernels/attention_common.cuh"
-#include "kernels/attention_trace.h"
-#include "kernels/common.cuh"
-#include "kernels/tma.cuh"
-#include "kernels/wgmma.cuh"
+#include "kernels/attention_resident.cuh"
+#include "kernels/attention_resident.h"
 
 namespace {
-using bf16 = __nv_bfloat16;
-
-constexpr int kQTile = 64;
-constexpr float kLog2e = 1.4426950408889634f;
-__host__ __device__ constexpr int q_bytes(int hd) { return kQTile * hd * 2; }
-__host__ __device__ constexpr int tiles(int T) { return (T + kQTile - 1) / kQTile; }  // 64-row tiles
-
-// The forward's V tiles at hd 80 stay in the 32-byte swizzle, 16-column chunks of `rows` rows
-// (32-byte rows): one m64n80 MMA reads them MN-major (LBO the chunk stride), where the wide
-// layout's two (64 + 16 columns) would make ptxas serialize the forward's MMAs (C7512). k16 step j
-// is rows 16j .. 16j + 15.
-__device__ __forceinline__ uint64_t chunks_mn_desc(uint32_t tile, int rows) {
-  return wgmma::descriptor_sw32(tile, rows * 32, 256);
-}
-// desc advanced by bytes (a multiple of 16) at the point of use: volatile, so that the compiler does
-// not hoist every step's descriptor out of a loop and hold them in registers (the forward spills).
-__device__ __forceinline__ uint64_t desc_step(uint64_t desc, uint32_t bytes) {
-  uint64_t out;
-  asm volatile("add.s64 %0, %1, %2;\n" : "=l"(out) : "l"(desc), "l"(uint64_t(bytes >> 4)));
-  return out;
-}
-
-// Operand tiles in the 128-byte swizzle ("wide"): a tile of R rows (64; 16 for the forward's
-// narrow last K, V tile) holds columns 0-63 as 128-byte rows (R x 128 bytes; TMA writes them with
-// SWIZZLE_128B), then at hd 80 columns 64-79 as 32-byte rows (R x 32, SWIZZLE_32B), at hd 128
-// columns 64-127 as 128-byte rows again. TMA moves 128-byte rows 1.5-2.4x as fast as 32-byte ones
-// (tools/tma_rate.cu; BENCHMARKS.md 28).
-constexpr int kWideBytes = kQTile * 128;  // the 64-column part of a 64-row tile
-// Byte of 16-byte vector c (columns 8c .. 8c + 7) of row r. A warp's 8-row strips of one vector
-// fall in 8 different bank quads.
-template <int HD>
-__device__ __forceinline__ uint32_t wide_offset(int R, int r, int c) {
-  if (c < 8) return uint32_t(r * 128 + ((c ^ (r & 7)) << 4));
-  if (HD == 128) return uint32_t(R * 128 + r * 128 + (((c - 8) ^ (r & 7)) << 4));
-  return uint32_t(R * 128 + r * 32 + ((((c - 8) & 1) ^ ((r >> 2) & 1)) << 4));
-}
-// The columns past 64 as a descriptor's base: K-major (lbo unused) or MN-major (lbo unused: one
-// group along N an MMA).
-template <int HD>
-__device__ __forceinline__ uint64_t wide_upper_desc(uint32_t tile, int R) {
-  return HD == 128 ? wgmma::descriptor_sw128(tile + R * 128, 16, 1024) : wgmma::descriptor_sw32(tile + R * 128, 16, 256);
-}
-// The tile as a K-major operand (K = its columns): k16 step kk.
-template <int HD>
-__device__ __forceinline__ uint64_t wide_kdesc(uint32_t tile, int R, int kk) {
-  if (kk < 4) return wgmma::descriptor_sw128(tile + kk * 32, 16, 1024);
-  const uint64_t upper = wide_upper_desc<HD>(tile, R);
-  return kk == 4 ? upper : desc_step(upper, (kk - 4) * 32);
-}
 // acc (+)= A B over k16 step j of the tile's rows, B the tile as an MN-major operand (K = its
 // rows, N = its HD columns): at hd 80 two MMAs, 64 and 16 columns wide (one descriptor cannot
 // span two swizzles) into acc's first 32 and last 8 floats; at hd 128 two 64 wide, into its two
@@ -130,22 +61,6 @@ __device__ __forceinline__ void wide_mma(float (&acc)[HD / 2], uint64_t a, uint3
     if constexpr (kTransA) wgmma::Mma<64>::ss_tt<32>(acc, a, b_hi, accumulate);
     else wgmma::Mma<64>::ss_bt<32>(acc, a, b_hi, accumulate);
   }
-}
-// A wide tile of R rows by TMA, from column col and row `row` of image b: columns 0-63 through
-// map, those past 64 (hd 80, 128) through tail, R * 128 bytes on; its bytes counted on bar.
-template <int HD>
-__device__ __forceinline__ void load_wide(uint32_t dst, int R, const CUtensorMap* map, const CUtensorMap* tail, int col,
-                                          int row, int b, uint32_t bar) {
-  tma::load_3d(dst, map, col, row, b, bar);
-  if (HD > 64) tma::load_3d(dst + R * 128, tail, col + 64, row, b, bar);
-}
-// A staged 64-row wide tile out by TMA, one bulk group (tma::wait_read before src is reused).
-template <int HD>
-__device__ __forceinline__ void store_wide(uint32_t src, const CUtensorMap* map, const CUtensorMap* tail, int col, int row,
-                                           int b) {
-  tma::store_3d(map, src, col, row, b);
-  if (HD > 64) tma::store_3d(tail, src + kWideBytes, col + 64, row, b);
-  tma::commit();
 }
 
 constexpr int kThreads = 384, kLseLoaders = kQTile;
@@ -176,27 +91,12 @@ enum Barrier { kFull = 1, kEmpty = 5, kRows = 9, kDelta = 10, kDqDone = kDelta, 
 // Per 64-row tile: Q, dO, K, V, a slot, lse and delta (64 floats each); then the 4 mbarriers.
 __host__ __device__ constexpr int smem_bytes(int n, int hd) { return n * (4 * q_bytes(hd) + kSlotBytes + 512) + 8 * 4; }
 
-__device__ __forceinline__ void bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
 __device__ __forceinline__ void bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 // Arrives on bar once all of this thread's earlier cp.async have landed.
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
 }
 template <int R>
 __device__ __forceinline__ void regs_inc() {
@@ -206,60 +106,6 @@ template <int R>
 __device__ __forceinline__ void regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
 }
-// A warpgroup's 64 x HD fp32 accumulator (rows g and g + 8 of warp w's 16 scaled by mult_lo and
-// mult_hi) as bf16 into a 64-row tile in shared memory (wide_offset's layout, conflict-free), made
-// visible to the async proxy: after a barrier, TMA stores write it out (from the fragments
-// directly each 32-byte sector would be written half, and the warps' own copies were slow).
-template <int HD>
-__device__ __forceinline__ void stage_fragments(unsigned char* tile, const float (&acc)[HD / 2], float mult_lo,
-                                                float mult_hi, int warp, int g, int q) {
-  const int row = warp * 16 + g;
-#pragma unroll
-  for (int m = 0; m < HD / 8; ++m) {
-    *reinterpret_cast<uint32_t*>(tile + wide_offset<HD>(kQTile, row, m) + 4 * q) =
-        pack_bf16x2(acc[4 * m] * mult_lo, acc[4 * m + 1] * mult_lo);
-    *reinterpret_cast<uint32_t*>(tile + wide_offset<HD>(kQTile, row + 8, m) + 4 * q) =
-        pack_bf16x2(acc[4 * m + 2] * mult_hi, acc[4 * m + 3] * mult_hi);
-  }
-  wgmma::fence_proxy_async();
-}
-
-// Phase stamps (kernels/attention_trace.h): code only in the traced build.
-using namespace attention_trace;
-#ifdef ATTENTION_TRACE
-__device__ unsigned long long* g_trace;
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// This CTA's row, read once (a load of g_trace at every stamp slowed the stamping thread).
-__device__ __forceinline__ unsigned long long* trace_row() {
-  return g_trace ? g_trace + (size_t(blockIdx.y) * gridDim.x + blockIdx.x) * kSlots : nullptr;
-}
-__device__ __forceinline__ void trace_start(unsigned long long* r) {
-  if (r) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    r[kStartNs] = global_ns(), r[kStartClock] = clock64(), r[kSm] = smid;
-  }
-}
-__device__ __forceinline__ void trace(unsigned long long* r, int slot) {
-  if (r) r[slot] = clock64();
-}
-__device__ __forceinline__ void trace_end(unsigned long long* r) {  // the max over the callers
-  if (r && threadIdx.x % 32 == 0) {
-    atomicMax(r + kEndNs, global_ns());
-    atomicMax(r + kEndClock, (unsigned long long)clock64());
-  }
-}
-#else
-__device__ __forceinline__ unsigned long long* trace_row() { return nullptr; }
-__device__ __forceinline__ void trace_start(unsigned long long*) {}
-__device__ __forceinline__ void trace(unsigned long long*, int) {}
-__device__ __forceinline__ void trace_end(unsigned long long*) {}
-#endif
-
 
 __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (query r, key k), k even
   return uint32_t((r >> 3) * 1024 + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
@@ -349,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // `issuer`, its lse and delta by cp.async from threads first .. first + 63.
   const auto load_query = [&](int i, int issuer, int first) {
     // At hd 80 (head, image) read afresh: from h and b, ptxas hoists the lse and delta addresses
-    // out of WG 0's loop into registers, and spills. (At hd 64 the re-read cost 3-5%: BENCHMARKS 34.)
+    // out of WG 0's loop into registers, and spills. (At hd 64 the re-read would cost time.)
     // The grid is (H, B, key blocks), as h and b above read it.
     int hh = h, bb = b;
     if constexpr (HD == 80) {
@@ -405,8 +251,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         load_wide<HD>(dst, kQTile, which == 1 ? &do_map : &qkv_map, which == 1 ? &do_tail : &qkv_tail, col, t * kQTile, b,
                       bar);
       }
-      // O's tile into slot t, for WG 2's delta before WG 0 first fills the slot (by the LSU, its
-      // loads queued behind these and came ~2-3 us after dO's: WG 2 began its products late)
+      // O's tile into slot t, for WG 2's delta before WG 0 first fills the slot (by TMA: loads by
+      // the LSU would queue behind these, and WG 2 would begin its products late)
       load_wide<HD>(s_slot + t * kSlotBytes, kQTile, &out_map, &out_tail, h * HD, t * kQTile, b, bar);
     }
     trace(tr, kBwdIssued);
@@ -656,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Both key warpgroups done with query tile i (EMPTY_c: its slots, Q_i and dO_i are free; the
       // key warpgroups arrive after their products' wgmma wait). Up to 256 tokens dQ (times the
       // scale) is staged as bf16 in Q_i's tile and stored by TMA (from the fragments each warp's
-      // stores touch 8 rows' 16-byte pieces: ~0.6 us a tile); key blocks write it to their plane
+      // stores would touch 8 rows' 16-byte pieces); key blocks write it to their plane
       // and load query tile i + nb into Q_i's buffer (extra keys: stage it, and reload the buffer
       // before). By now the key warpgroups are mostly done:
       // their products of the last slot take less than the dQ MMAs above.
@@ -819,288 +665,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     trace_end(tr);
   }
 }
-
-
-// ---------------------------------------------------------------------------------------------
-// Forward: one CTA of W = 2 or 4 warpgroups per (image, head) (forward_shape). K and V (rows up
-// to kv_rows(T): the last tile only as far as its rows reach, rounded to 16 or 64) are loaded
-// once, tile t on mbarrier t, by TMA (one thread issues them; the warps' own cp.async took ~30% of
-// their time). Warpgroup w takes query tiles w, w + W, ...; Q tile i lands in buffer i % q_slots
-// on the buffer's own mbarrier. Every Q tile has its buffer (q_slots = n) where they all fit
-// beside K and V (up to 256 tokens, and longer at hd 64 and 80); else 2 W or W buffers are
-// reused: once tile i's output has left its buffer, the warpgroup loads its tile i + q_slots
-// there. Per query tile, an online softmax over key chunks of 64 (the last as wide as kv_rows
-// leaves it):
-//   S = Q_i K_c^T (A, B K-major in shared memory), P = exp(S scale - m) in registers, packed to
-//   bf16 as the A operand of O += P V_c (V MN-major as B), which runs while the next chunk's S
-//   is issued. O / l goes out through the tile's Q buffer by a TMA store.
-// 128 registers a thread and, at T <= 208 and hd 80 (272 at hd 64), under half the shared memory:
-// two CTAs an SM, so that one loads while the other computes.
-__host__ __device__ constexpr int last_width(int T) {  // key columns computed in the last chunk
-  // 16 or 64 (a third width, 32, makes ptxas spill at hd 80)
-  return T - (tiles(T) - 1) * kQTile <= 16 ? 16 : 64;
-}
-// Bytes of the K (or V) tiles: whole ones, the last 16 rows where that covers it, padded to 1024
-// bytes (the 128-byte swizzle's alignment, for V's first tile).
-__host__ __device__ constexpr int kv_bytes(int T, int hd) {
-  return (tiles(T) - 1) * q_bytes(hd) + (last_width(T) == kQTile ? q_bytes(hd) : (16 * hd * 2 + 1023) / 1024 * 1024);
-}
-// Q buffers (q_slots of them), K, V, then n + q_slots mbarriers (K_t and V_t on t, Q buffer s on n + s).
-__host__ __device__ constexpr int fwd_smem_bytes(int T, int hd, int q_slots) {
-  return q_slots * q_bytes(hd) + 2 * kv_bytes(T, hd) + 8 * (tiles(T) + q_slots);
-}
-// Q buffers for (T, hd) and W warpgroups in smem bytes: one a tile where all fit, else 2 W or W
-// (a warpgroup's tiles take every W-th buffer), else 0: the shape does not fit.
-__host__ __device__ constexpr int fwd_q_slots(int T, int hd, int W, int smem) {
-  return fwd_smem_bytes(T, hd, tiles(T)) <= smem  ? tiles(T)
-         : fwd_smem_bytes(T, hd, 2 * W) <= smem   ? 2 * W
-         : fwd_smem_bytes(T, hd, W) <= smem       ? W
-                                                  : 0;
-}
-
-template <int HD, int kWgs>
-__global__ void __launch_bounds__(128 * kWgs, kWgs == 2 && HD <= 80 ? 2 : 1)  // hd 128: O alone is 64 registers
-    attention_forward_resident_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap qkv_upper,
-                                      const __grid_constant__ CUtensorMap narrow_map, const __grid_constant__ CUtensorMap narrow_upper,
-                                      const __grid_constant__ CUtensorMap v_chunks, const __grid_constant__ CUtensorMap v_chunks_narrow,
-                                      const __grid_constant__ CUtensorMap out_map, const __grid_constant__ CUtensorMap out_upper,
-                                      float* __restrict__ lse, int T, int H, float scale, int q_slots) {
-  extern __shared__ __align__(1024) unsigned char smem[];
-  unsigned long long* const tr = trace_row();
-  constexpr int kTile = q_bytes(HD);
-  const int n = tiles(T);
-  const uint32_t s_q = smem_addr(smem), s_k = s_q + q_slots * kTile, s_v = s_k + kv_bytes(T, HD),
-                 s_bar = s_v + kv_bytes(T, HD), s_qbar = s_bar + 8 * n;
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
-            q = lane & 3;
-  const int last_rows = last_width(T);  // rows of the last K and V tiles (16 or 64)
-  // Q tile i into its buffer, on the buffer's mbarrier (issued by one thread).
-  const auto load_q = [&](int i) {
-    const uint32_t bar = s_qbar + 8 * (i % q_slots);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kTile) : "memory");
-    load_wide<HD>(s_q + (i % q_slots) * kTile, kQTile, &qkv_map, &qkv_upper, h * HD, i * kQTile, b, bar);
-  };
-
-  // Every tile comes by TMA, issued by thread 0 (later Q tiles, into reused buffers, by their
-  // warpgroup's first thread), K_t and V_t on mbarrier t, in the wide layout (columns 0-63, then
-  // 64-HD through the *_upper maps); rows at or past T arrive as zeros (the tensor maps end at T:
-  // K's then get probability 0 by the mask, and V's add nothing). The last K and V tiles, if 16
-  // rows, through the narrow maps.
-  if (threadIdx.x == 0)
-    for (int t = 0; t < n + q_slots; ++t) mbar_init(s_bar + 8 * t, 1);
-  if (threadIdx.x == 0) trace_start(tr);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    trace(tr, kFwdIssueBegins);
-    for (int t = 0; t < n; ++t) {
-      if (t < q_slots) load_q(t);
-      const uint32_t bar = s_bar + 8 * t;
-      const bool narrow = t + 1 == n && last_rows < kQTile;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                   "r"(2 * (narrow ? last_rows : kQTile) * HD * 2)
-                   : "memory");
-      for (int part = 1; part < 3; ++part) {  // K, V
-        const uint32_t dst = (part == 1 ? s_k : s_v) + t * kTile;
-        const int col = (part * H + h) * HD;
-        if (HD == 80 && part == 2) {  // V at hd 80: 32-byte-swizzle chunks (chunks_mn_desc)
-          tma::load_4d(dst, narrow ? &v_chunks_narrow : &v_chunks, 0, t * kQTile, col / 16, b, bar);
-          continue;
-        }
-        load_wide<HD>(dst, narrow ? 16 : kQTile, narrow ? &narrow_map : &qkv_map, narrow ? &narrow_upper : &qkv_upper, col,
-                      t * kQTile, b, bar);
-      }
-    }
-    trace(tr, kFwdIssued);
-  }
-
-  const float scale_log2 = scale * kLog2e;
-  for (int i = wg; i < n; i += kWgs) {
-    const uint32_t q_i = s_q + (i % q_slots) * kTile;
-    float o[HD / 2];
-    uint32_t pa[4][4];  // P as bf16 A fragments, one k16 step (16 keys) each
-#pragma unroll
-    for (int e = 0; e < HD / 2; ++e) o[e] = 0.0f;
-    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;  // rows g and g + 8 of the warp
-    mbar_wait(s_qbar + 8 * (i % q_slots), (i / q_slots) & 1);  // Q_i
-
-    // Key chunk c, its first W columns: S = Q_i K_c^T while the previous chunk's O += P V may
-    // still run, then the softmax, then O += P V_c, left running.
-    const auto chunk = [&](int c, auto width) {
-      constexpr int W = decltype(width)::value;
-      float sc[W / 2];
-      mbar_wait(s_bar + 8 * c, 0);  // K_c, V_c
-      if (threadIdx.x % 128 == 0 && i == wg && wg < 2 && c < 4) trace(tr, kFwdLanded + 4 * wg + c);
-      wgmma::fence_proxy_async();
-      wgmma::fence();
-      // K_c and V_c have W rows (64, or 16 in a narrow last tile): their columns past 64 start at W * 128.
-      const uint32_t k_c = s_k + c * kTile;
-      const uint64_t q_desc = wgmma::descriptor_sw128(q_i, 16, 1024), k_desc = wgmma::descriptor_sw128(k_c, 16, 1024);
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk)
-        wgmma::Mma<W>::ss(sc, kk < 4 ? desc_step(q_desc, kk * 32) : wide_kdesc<HD>(q_i, kQTile, kk),
-                          kk < 4 ? desc_step(k_desc, kk * 32) : wide_kdesc<HD>(k_c, W, kk), kk > 0);
-      wgmma::commit();
-      wgmma::wait<0>();  // S, and O += P V of chunk c - 1 (o and pa are free)
-      if (c + 1 == n) {  // keys at or past T: score -inf, probability 0
-#pragma unroll
-        for (int j = 0; j < W / 8; ++j) {
-          const int key = c * kQTile + 8 * j + 2 * q;
-          if (key >= T) sc[4 * j] = sc[4 * j + 2] = -INFINITY;
-          if (key + 1 >= T) sc[4 * j + 1] = sc[4 * j + 3] = -INFINITY;
-        }
-      }
-      float mx_lo = m_lo, mx_hi = m_hi;
-#pragma unroll
-      for (int j = 0; j < W / 8; ++j) {
-        mx_lo = fmaxf(mx_lo, fmaxf(sc[4 * j], sc[4 * j + 1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
-      }
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-      // Every chunk has a real key, so the maxima are finite; the first correction is exp2(-inf) = 0.
-      const float corr_lo = exp2_approx((m_lo - mx_lo) * scale_log2), corr_hi = exp2_approx((m_hi - mx_hi) * scale_log2);
-      m_lo = mx_lo, m_hi = mx_hi;
-      const float neg_lo = -mx_lo * scale_log2, neg_hi = -mx_hi * scale_log2;
-      float sum_lo = 0.0f, sum_hi = 0.0f;
-#pragma unroll
-      for (int j = 0; j < W / 8; ++j) {
-        const float p0 = exp2_approx(fmaf(sc[4 * j], scale_log2, neg_lo));
-        const float p1 = exp2_approx(fmaf(sc[4 * j + 1], scale_log2, neg_lo));
-        const float p2 = exp2_approx(fmaf(sc[4 * j + 2], scale_log2, neg_hi));
-        const float p3 = exp2_approx(fmaf(sc[4 * j + 3], scale_log2, neg_hi));
-        sum_lo += p0 + p1;
-        sum_hi += p2 + p3;
-        pa[j / 2][(j % 2) * 2] = pack_bf16x2(p0, p1);      // a0 / a2: row g, keys 16 (j/2) + 8 (j%2) + 2q
-        pa[j / 2][(j % 2) * 2 + 1] = pack_bf16x2(p2, p3);  // a1 / a3: row g + 8
-      }
-      l_lo = fmaf(l_lo, corr_lo, sum_lo);
-      l_hi = fmaf(l_hi, corr_hi, sum_hi);
-#pragma unroll
-      for (int e = 0; e < HD / 8; ++e) {
-        o[4 * e] *= corr_lo, o[4 * e + 1] *= corr_lo;
-        o[4 * e + 2] *= corr_hi, o[4 * e + 3] *= corr_hi;
-      }
-      wgmma::fence();  // o and pa written before the wgmmas read them
-      // V_c as B MN-major: at hd 80 its chunks in one MMA; else wide, columns 0-63 in one MMA and
-      // at hd 128 columns 64-127 in another.
-      const uint32_t v_c = s_v + c * kTile;
-#pragma unroll
-      for (int kk = 0; kk < W / 16; ++kk) {
-        if constexpr (HD == 80) {
-          wgmma::Mma<80>::rs_bt(o, pa[kk], desc_step(chunks_mn_desc(v_c, W), kk * 512), 1);
-        } else {
-          wgmma::Mma<64>::rs_bt(o, pa[kk], desc_step(wgmma::descriptor_sw128(v_c, 16, 1024), kk * 2048), 1);
-          if constexpr (HD == 128)
-            wgmma::Mma<64>::rs_bt<32>(o, pa[kk], desc_step(wide_upper_desc<HD>(v_c, W), kk * 2048), 1);
-        }
-      }
-      wgmma::commit();
-      if (threadIdx.x % 128 == 0 && i < 4 && c < 4) trace(tr, kFwdChunk + 4 * i + c);
-    };
-    const int last_w = last_width(T);
-    if constexpr (HD == 64) {
-      // The narrow last chunk chosen inside the loop: with the two after each other ptxas spilled
-      // 52 bytes here (ten reloads a chunk). At hd 80 this form was 2% slower, and neither spills.
-      for (int c = 0; c < n; ++c) {
-        if (c + 1 == n && last_w == 16) chunk(c, std::integral_constant<int, 16>{});
-        else chunk(c, std::integral_constant<int, 64>{});
-      }
-    } else {
-      for (int c = 0; c + 1 < n; ++c) chunk(c, std::integral_constant<int, 64>{});
-      if (last_w == 16) chunk(n - 1, std::integral_constant<int, 16>{});
-      else chunk(n - 1, std::integral_constant<int, 64>{});
-    }
-    wgmma::wait<0>();
-    if (threadIdx.x % 128 == 0 && i < 4) trace(tr, kFwdComplete + i);
-
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-    const int r_lo = i * kQTile + warp * 16 + g, r_hi = r_lo + 8;
-    float* lse_bh = lse + (size_t(b) * H + h) * T;
-    if (q == 0) {
-      if (r_lo < T) lse_bh[r_lo] = m_lo * scale + logf(l_lo);
-      if (r_hi < T) lse_bh[r_hi] = m_hi * scale + logf(l_hi);
-    }
-    // O / l as bf16 through this warpgroup's Q_i tile (its last reader, S, has completed), stored by TMA.
-    bar_sync(1 + wg, 128);  // every warp of the warpgroup is past its S products
-    stage_fragments<HD>(smem + (i % q_slots) * kTile, o, 1.0f / l_lo, 1.0f / l_hi, warp, g, q);
-    bar_sync(1 + wg, 128);
-    if (threadIdx.x % 128 == 0) {
-      if (i < 4) trace(tr, kFwdStaged + i);
-      store_wide<HD>(q_i, &out_map, &out_upper, h * HD, i * kQTile, b);
-      if (i < 4) trace(tr, kFwdStored + i);
-      if (i + q_slots < n) {  // the buffer's next tile, once the store has read it
-        tma::wait_read();
-        load_q(i + q_slots);
-      }
-    }
-  }
-  if (threadIdx.x % 128 == 0) tma::wait_read();  // the stores have read this warpgroup's tiles
-  trace_end(tr);
-}
-
-}  // namespace
-
-namespace {
-bool sm90a(const DeviceInfo& info) { return info.major == 9 && info.minor == 0; }  // wgmma, setmaxnreg
-
-// The forward's warpgroups and Q buffers at (T, hd); q_slots 0 where it does not fit. Two
-// warpgroups where two CTAs share an SM (one loads while the other computes: at hd 64 up to 272
-// tokens, at hd 80 up to 208); else, at hd 64 and 80, four where they fit (16 warps on the SM
-// instead of 8: 11-15% faster at 236, 256, 257 and 577 tokens, BENCHMARKS.md 31). hd 128 takes
-// 178 registers a thread: two warpgroups only.
-struct ForwardShape {
-  int warpgroups, q_slots;
-};
-ForwardShape forward_shape(int T, int hd, const DeviceInfo& info) {
-  const int two = fwd_q_slots(T, hd, 2, info.smem_optin);
-  const bool two_an_sm = 2 * (fwd_smem_bytes(T, hd, two) + info.smem_reserved) <= info.smem_per_sm;
-  if (hd <= 80 && two > 0 && !two_an_sm) {
-    const int four = fwd_q_slots(T, hd, 4, info.smem_optin);
-    if (four > 0) return {4, four};
-  }
-  return {2, two};
-}
-
-// A [B, T, columns] bf16 tensor seen as tiles of `rows` rows of one head's V in 32-byte-swizzle
-// chunks (chunks_mn_desc): dims (element of a 16-column chunk, row, chunk, image), box {16, rows,
-// hd / 16, 1}. Rows end at T: a box past them is filled with zeros.
-CUtensorMap chunks_map(const bf16* data, int B, int T, int columns, int hd, int rows) {
-  const cuuint64_t cols = cuuint64_t(columns);
-  const cuuint64_t dims[4] = {16, cuuint64_t(T), cols / 16, cuuint64_t(B)};
-  const cuuint64_t strides[3] = {cols * 2, 32, cuuint64_t(T) * cols * 2};  // bytes, dims 1..3
-  const cuuint32_t box[4] = {16, cuuint32_t(rows), cuuint32_t(hd / 16), 1};
-  return tma::encode(data, 4, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_32B, "attention resident forward");
-}
-// A [B, T, columns] bf16 tensor (qkv: 3 H hd columns, out, dout: H hd) seen as wide tiles
-// (wide_offset) of `rows` rows of one head's Q, K, V, O or dO: dims (column, row, image), box
-// 64 columns (part 0: SWIZZLE_128B) or the columns past 64 (part 1: 16 at hd 80, SWIZZLE_32B; 64
-// at hd 128, SWIZZLE_128B) x rows. Rows end at T: a box past them is filled with zeros.
-CUtensorMap wide_map(const bf16* data, int B, int T, int columns, int hd, int rows, int part) {
-  const cuuint64_t cols = cuuint64_t(columns);
-  const cuuint64_t dims[3] = {cols, cuuint64_t(T), cuuint64_t(B)};
-  const cuuint64_t strides[2] = {cols * 2, cuuint64_t(T) * cols * 2};  // bytes, dims 1..2
-  const bool swizzle128 = part == 0 || hd == 128;
-  const cuuint32_t box[3] = {swizzle128 ? 64u : 16u, cuuint32_t(rows), 1};
-  return tma::encode(data, 3, dims, strides, box, swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B,
-                     "attention resident kernels");
-}
-// A tensor's two wide maps of `rows`-row tiles: columns 0-63, and those past 64 (at hd 64, where
-// the kernels read none, the first again: not encoded).
-std::pair<CUtensorMap, CUtensorMap> wide_maps(const bf16* data, int B, int T, int columns, int hd, int rows) {
-  const CUtensorMap first = wide_map(data, B, T, columns, hd, rows, 0);
-  return {first, hd > 64 ? wide_map(data, B, T, columns, hd, rows, 1) : first};
-}
 }  // namespace
 
 #ifdef ATTENTION_TRACE
-void attention_trace::set_buffer(unsigned long long* buffer) {
+void attention_trace::set_backward_buffer(unsigned long long* buffer) {
   CUDA_CHECK(cudaMemcpyToSymbol(g_trace, &buffer, sizeof buffer));
+}
+
+void attention_trace::set_buffer(unsigned long long* buffer) {
+  set_backward_buffer(buffer);
+  set_forward_buffer(buffer);
 }
 #endif
 
@@ -1155,6 +729,7 @@ bool key_blocks_apply(int T, int hd) {
   return T >= 1 && T <= kKeyBlockMaxT && ((hd == 128) || ((hd == 64 || hd == 80) && T > 4 * kQTile));
 }
 }  // namespace
+
 
 bool attention_resident_fits(int T, int hd, int dev) {
   const DeviceInfo info = device_info(dev);
@@ -1233,45 +808,4 @@ void attention_backward_resident(const bf16* qkv, const bf16* out, const bf16* d
       <<<grid_stride_blocks(plane_quads, 256), 256, 0, stream>>>(reinterpret_cast<const float4*>(dq_planes), planes,
                                                                  plane_quads, dqkv, H * hd / 4);
   LAUNCH_CHECK();
-}
-
-bool attention_forward_resident_fits(int T, int hd, int dev) {
-  const DeviceInfo info = device_info(dev);
-  return (hd == 64 || hd == 80 || hd == 128) && T >= 1 && sm90a(info) && forward_shape(T, hd, info).q_slots > 0;
-}
-
-bool attention_forward_resident_preferred(int T, int hd, int dev) {
-  // Faster from two tiles: at hd 64 and 80 (BENCHMARKS.md 27), and at hd 128 since its kernels'
-  // later changes (11-21% at 65-128 tokens, BENCHMARKS.md 41; in 28 the streamed one tied or won
-  // there). Past 256 tokens 23-39% faster at ViT's batches (257 and 577 tokens, BENCHMARKS.md 31).
-  return tiles(T) >= 2 && attention_forward_resident_fits(T, hd, dev);
-}
-
-
-void attention_forward_resident(const bf16* qkv, bf16* out, float* lse, int B, int T, int H, int hd, int dev,
-                                cudaStream_t stream) {
-  ENSURE(attention_forward_resident_fits(T, hd, dev), "attention_forward_resident: T " + std::to_string(T) + ", hd " +
-                                                          std::to_string(hd) + " is not its shape (hd 64, 80 or 128, K and V in shared memory, sm_90a)");
-  const DeviceInfo info = device_info(dev);
-  const ForwardShape shape = forward_shape(T, hd, info);
-  const int W = shape.warpgroups, q_slots = shape.q_slots;
-  const auto launch = [&](auto hd_c, auto w_c) {
-    constexpr int HD = decltype(hd_c)::value, kW = decltype(w_c)::value;
-    prepare_kernel<&attention_forward_resident_kernel<HD, kW>>(dev, info.smem_optin);  // the largest
-    // The 16-row tiles' maps (and hd 80's V chunks) only where the shape has a narrow last tile.
-    const bool narrow = last_width(T) < kQTile;
-    const auto qkv64 = wide_maps(qkv, B, T, 3 * H * HD, HD, kQTile), out64 = wide_maps(out, B, T, H * HD, HD, kQTile);
-    const auto qkv16 = narrow ? wide_maps(qkv, B, T, 3 * H * HD, HD, 16) : qkv64;
-    const CUtensorMap v64 = HD == 80 ? chunks_map(qkv, B, T, 3 * H * HD, HD, kQTile) : qkv64.first;
-    attention_forward_resident_kernel<HD, kW><<<dim3(H, B), 128 * kW, fwd_smem_bytes(T, HD, q_slots), stream>>>(
-        qkv64.first, qkv64.second, qkv16.first, qkv16.second, v64,
-        HD == 80 && narrow ? chunks_map(qkv, B, T, 3 * H * HD, HD, 16) : v64, out64.first, out64.second, lse, T, H,
-        1.0f / std::sqrt(static_cast<float>(HD)), q_slots);
-    LAUNCH_CHECK();
-  };
-  using Two = std::integral_constant<int, 2>;
-  using Four = std::integral_constant<int, 4>;
-  if (hd == 64) W == 4 ? launch(std::integral_constant<int, 64>{}, Four{}) : launch(std::integral_constant<int, 64>{}, Two{});
-  else if (hd == 80) W == 4 ? launch(std::integral_constant<int, 80>{}, Four{}) : launch(std::integral_constant<int, 80>{}, Two{});
-  else launch(std::integral_constant<int, 128>{}, Two{});
 }
