@@ -267,9 +267,12 @@ void GradSync::send_weights(const Share& share) {
   }
 }
 
+void GradSync::begin_update(cudaStream_t stream) const {
+  ENSURE(sharded_ && fp32_read_count_ >= 0 && stream == compute_,
+         "GradSync: a sharded update needs the fp32-read ranges set and runs on the compute stream");
+}
+
 void GradSync::finish_update() {
-  ENSURE(sharded_ && fp32_read_count_ >= 0,
-         "GradSync::finish_update: the optimizer is not sharded, or the fp32-read ranges were not set");
   const int me = comm_.rank(), world = comm_.world();
   // Outside its shares a rank's fp32 weights go stale, but some kernels read those (biases,
   // LayerNorm weights, embeddings): the owner's copies keep them whole everywhere.

@@ -64,6 +64,9 @@ class GradSync {
     int sources;
   };
   const std::vector<Share>& own_shares() const { return shares_; }
+  // Before an update's first share: checks that the exchange is sharded, the fp32-read ranges
+  // are set, and the update runs on the compute stream (send_weights orders its copies after it).
+  void begin_update(cudaStream_t stream) const;
   // The share's new bf16 weights, once the compute stream has written them, copied into every
   // peer's bf16 weights (the copy engines, while the SMs update the next share).
   void send_weights(const Share& share);

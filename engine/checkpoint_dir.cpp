@@ -1,5 +1,7 @@
 #include "engine/checkpoint_dir.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -48,13 +50,20 @@ std::string latest_checkpoint(const std::string& dir) {
 
 void check_writable_dir(const std::string& dir, const std::string& flag) {
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec || !fs::is_directory(dir))
-    throw RuntimeError(flag + " " + dir + ": cannot create checkpoint directory " + dir + ": " +
-                       (ec ? ec.message() : std::string("not a directory")));
-  const std::string probe = (fs::path(dir) / ".vit_train_write_test").string();
-  std::FILE* f = std::fopen(probe.c_str(), "w");
-  if (!f) throw RuntimeError(flag + " " + dir + ": cannot write in it: " + std::strerror(errno));
-  std::fclose(f);
-  std::remove(probe.c_str());
+  if (fs::exists(dir, ec)) {
+    if (!fs::is_directory(dir, ec)) throw RuntimeError(flag + " " + dir + ": not a directory");
+    if (::access(dir.c_str(), W_OK | X_OK) != 0)
+      throw RuntimeError(flag + " " + dir + ": cannot write in it: " + std::strerror(errno));
+    return;
+  }
+  // Not there yet: the first save creates it, under its nearest existing ancestor.
+  fs::path ancestor = fs::absolute(dir, ec).parent_path();
+  while (ancestor.has_parent_path() && ancestor != ancestor.root_path() && !fs::exists(ancestor, ec))
+    ancestor = ancestor.parent_path();
+  if (!fs::is_directory(ancestor, ec))
+    throw RuntimeError(flag + " " + dir + ": cannot create checkpoint directory " + dir + ": " + ancestor.string() +
+                       " is not a directory");
+  if (::access(ancestor.c_str(), W_OK | X_OK) != 0)
+    throw RuntimeError(flag + " " + dir + ": cannot create checkpoint directory " + dir + ": " + ancestor.string() +
+                       ": " + std::strerror(errno));
 }

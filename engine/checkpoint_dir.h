@@ -16,6 +16,7 @@ std::vector<std::string> checkpoints_in(const std::string& dir);
 std::string newest_checkpoint_in(const std::string& dir);
 // The newest complete checkpoint under dir (dir itself if it is one); throws if there is none.
 std::string latest_checkpoint(const std::string& dir);
-// Creates dir if needed and checks that a file can be written in it; throws RuntimeError
-// ("<flag> DIR: cause") otherwise. Used up front, so that a run does not end unable to save.
+// Checks, creating nothing, that dir is a directory this process can write in, or one it can
+// create (the first save creates it); throws RuntimeError ("<flag> DIR: cause") otherwise. Used
+// up front, so that a run does not end unable to save.
 void check_writable_dir(const std::string& dir, const std::string& flag);

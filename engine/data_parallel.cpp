@@ -56,39 +56,60 @@ struct Supervisor {
 };
 }  // namespace
 
+void report_failure_to_job(const ProcessGroup& group, const std::string& what) {
+  std::vector<char> id_bytes;
+  if (group.rank == 0) {  // the others start NCCL with it before the failure reaches them: a real id
+    ncclUniqueId id;
+    if (ncclGetUniqueId(&id) == ncclSuccess) id_bytes.assign(id.internal, id.internal + sizeof id.internal);
+    else id_bytes.assign(sizeof id.internal, 0);
+  }
+  try {
+    ControlChannel channel(group, id_bytes, sizeof(ncclUniqueId), kRendezvousTimeoutS);
+    channel.report_failure(what);
+  } catch (const std::exception&) {  // no rendezvous: the failure's own message is printed anyway
+  }
+}
+
 int run_data_parallel(RunPlan& plan) {
   const TrainOptions& opts = plan.opts;
   const ProcessGroup& group = plan.group;
-  std::string why_none;
-  const int count = cuda_gpu_count(&why_none);
-  if (count == 0) throw RuntimeError("no CUDA GPU was found on this machine (" + why_none + "); vit_train needs one");
-  const int first_device = group.local_rank * opts.gpus;
-  if (first_device + opts.gpus > count)
-    throw UsageError("--gpus " + std::to_string(opts.gpus) + (group.size > 1 ? " with local rank " + std::to_string(group.local_rank) : "") +
-                     " needs devices " + std::to_string(first_device) + ".." + std::to_string(first_device + opts.gpus - 1) +
-                     " but this machine has " + std::to_string(count) + " GPU(s)");
+  // The devices and the exchange, checked before this process joins the job's rendezvous: a
+  // failure here is passed on to the other processes, which stop too.
   const int world = plan.world;
-
-  // The copy-engine exchange needs every rank in this process, peer access between their GPUs,
-  // fp32 sums outside NCCL's window; auto takes it where it applies, and says so when it does not.
+  int first_device = 0;
   std::unique_ptr<PeerGroup> peers;
-  if (opts.allreduce != AllReduceMethod::Nccl && opts.reduce_dtype == ReduceDType::F32 && !opts.nccl_window &&
-      (world > 1 || opts.allreduce != AllReduceMethod::Auto)) {
-    std::vector<int> devices;
-    for (int w = 0; w < opts.gpus; ++w) devices.push_back(first_device + w);
-    std::string why;
-    if (group.size > 1)
-      why = "the ranks are spread over " + std::to_string(group.size) + " processes (a launcher's job)";
-    else
-      PeerGroup::reachable(devices, &why);
-    if (why.empty()) {
-      peers = std::make_unique<PeerGroup>(world);
-    } else if (opts.allreduce == AllReduceMethod::CopyEngine) {
-      throw UsageError("--allreduce copy-engine needs every rank's GPU in this process, each reaching the others' "
-                       "memory: " + why + "; use --allreduce nccl");
-    } else if (group.rank == 0 && opts.gpus > 1) {
-      std::printf("note: gradients summed over NCCL (--allreduce auto): %s\n", why.c_str());
+  try {
+    std::string why_none;
+    const int count = cuda_gpu_count(&why_none);
+    if (count == 0) throw RuntimeError("no CUDA GPU was found on this machine (" + why_none + "); vit_train needs one");
+    first_device = group.local_rank * opts.gpus;
+    if (first_device + opts.gpus > count)
+      throw UsageError("--gpus " + std::to_string(opts.gpus) + (group.size > 1 ? " with local rank " + std::to_string(group.local_rank) : "") +
+                       " needs devices " + std::to_string(first_device) + ".." + std::to_string(first_device + opts.gpus - 1) +
+                       " but this machine has " + std::to_string(count) + " GPU(s)");
+    // The copy-engine exchange needs every rank in this process, peer access between their GPUs,
+    // fp32 sums outside NCCL's window; auto takes it where it applies, and says so when it does not.
+    if (opts.allreduce != AllReduceMethod::Nccl && opts.reduce_dtype == ReduceDType::F32 && !opts.nccl_window &&
+        (world > 1 || opts.allreduce != AllReduceMethod::Auto)) {
+      std::vector<int> devices;
+      for (int w = 0; w < opts.gpus; ++w) devices.push_back(first_device + w);
+      std::string why;
+      if (group.size > 1)
+        why = "the ranks are spread over " + std::to_string(group.size) + " processes (a launcher's job)";
+      else
+        PeerGroup::reachable(devices, &why);
+      if (why.empty()) {
+        peers = std::make_unique<PeerGroup>(world);
+      } else if (opts.allreduce == AllReduceMethod::CopyEngine) {
+        throw UsageError("--allreduce copy-engine needs every rank's GPU in this process, each reaching the others' "
+                         "memory: " + why + "; use --allreduce nccl");
+      } else if (group.rank == 0 && opts.gpus > 1) {
+        std::printf("note: gradients summed over NCCL (--allreduce auto): %s\n", why.c_str());
+      }
     }
+  } catch (const std::exception& e) {
+    if (group.size > 1) report_failure_to_job(group, e.what());
+    throw;
   }
 
   // The NCCL id travels from process 0 to the others over the control channel.

@@ -1,6 +1,6 @@
-// Real image datasets for training and evaluation. For now Fashion-MNIST, read from its IDX
-// files (gzip-compressed or not): 60,000 training and 10,000 test images of 28x28 uint8 pixels,
-// 10 classes.
+// IDX datasets (Fashion-MNIST's format), read whole into host memory: its IDX files
+// (gzip-compressed or not), 60,000 training and 10,000 test images of 28x28 uint8 pixels, 10
+// classes. (Any ImageFolder set goes through the packed format: engine/packed_loader.h.)
 #pragma once
 #include <cstdint>
 #include <random>

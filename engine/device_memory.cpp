@@ -18,7 +18,7 @@ const char* DeviceMemory::name(MemoryCategory category) {
   return "?";
 }
 
-DeviceMemory::DeviceMemory(const MemoryRequest& request, Alloc gradients_alloc, Release gradients_release) {
+DeviceMemory::DeviceMemory(MemoryRequest& request, Alloc gradients_alloc, Release gradients_release) {
   try {
     for (int c = 0; c < kMemoryCategories; ++c) {
       const auto category = static_cast<MemoryCategory>(c);

@@ -14,7 +14,7 @@ class DeviceMemory {
   // Allocates every category of request and places it. gradients_alloc/release: another
   // allocator for the gradients (NCCL's, for memory NCCL registers as a window), or null. Throws
   // RuntimeError naming the category that did not fit.
-  explicit DeviceMemory(const MemoryRequest& request, Alloc gradients_alloc = nullptr,
+  explicit DeviceMemory(MemoryRequest& request, Alloc gradients_alloc = nullptr,
                         Release gradients_release = nullptr);
   ~DeviceMemory();
   DeviceMemory(const DeviceMemory&) = delete;

@@ -30,7 +30,7 @@ void Fp8Recipe::init(cudaStream_t st) {
 }
 
 void Fp8Recipe::produce(int tensor, Fp8Kind kind, uint8_t* out, uint8_t* out_t, cudaStream_t st,
-                        const Producer& launch) {
+                        Fp8Producer launch) {
   Fp8Meta* m = meta(tensor);
   if (!recording_) {  // evaluation: the training scales, and nothing recorded
     launch(Fp8Out{kind, &m->scale, out, out_t, amax_scratch_});

@@ -78,7 +78,7 @@ class Fp8Recipe : public Fp8Tensors {
   // Fp8Tensors
   Fp8Meta* meta(int tensor) const override { return metas_ + tensor; }
   void produce(int tensor, Fp8Kind kind, uint8_t* out, uint8_t* out_t, cudaStream_t stream,
-               const Producer& launch) override;
+               Fp8Producer launch) override;
   bool one_pass() const override { return recording_ && !options_.current; }
   Fp8Out one_pass_out(int tensor, Fp8Kind kind, uint8_t* out, uint8_t* out_t) const override;
 

@@ -28,7 +28,13 @@ int main(int argc, char** argv) {
     const bool data_parallel = group.size > 1 || opts.gpus > 1 || (force && std::string(force) == "1");
     if (data_parallel && !opts.dump_reference.empty())
       throw UsageError("--dump-reference runs on one GPU in one process");
-    RunPlan plan = plan_run(opts, group);  // every input checked before any GPU work
+    RunPlan plan;
+    try {
+      plan = plan_run(opts, group);  // every input checked before any GPU work
+    } catch (const std::exception& e) {
+      if (group.size > 1) report_failure_to_job(group, e.what());  // the other processes stop too
+      throw;
+    }
     if (data_parallel) return run_data_parallel(plan);
     Trainer trainer(plan);
     plan.initial.reset();  // uploaded: the host copy of the weights is not needed again

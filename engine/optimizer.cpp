@@ -19,7 +19,7 @@ void Sgd::update(size_t begin, size_t end, const SgdHyper& h, bool first_step, c
 }
 
 void Sgd::update_sharded(GradSync& sync, const SgdHyper& h, bool first_step, const int* skip, cudaStream_t st) {
-  ENSURE(sync.sharded(), "Sgd::update_sharded: the gradient exchange is not sharded");
+  sync.begin_update(st);
   NvtxRange range("sharded optimizer: own shares, bf16 weights copied to every rank");
   for (const GradSync::Share& s : sync.own_shares()) {
     sgd_momentum_shard(model_.params() + s.begin, momentum_ + s.begin, model_.grads() + s.begin, s.received, s.stride,

@@ -1,5 +1,7 @@
 #include "engine/run_plan.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -8,6 +10,21 @@
 #include "model/vit.h"
 
 namespace {
+// A file this process can append to, or create; throws RuntimeError naming the flag otherwise.
+void check_appendable(const std::string& path, const std::string& flag) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(path, ec)) {
+    if (fs::is_directory(path, ec)) throw RuntimeError(flag + " " + path + ": a directory, not a file");
+    if (::access(path.c_str(), W_OK) != 0) throw RuntimeError(flag + " " + path + ": " + std::strerror(errno));
+    return;
+  }
+  const fs::path dir = fs::absolute(path, ec).parent_path();
+  if (!fs::is_directory(dir, ec)) throw RuntimeError(flag + " " + path + ": no directory " + dir.string());
+  if (::access(dir.c_str(), W_OK | X_OK) != 0)
+    throw RuntimeError(flag + " " + path + ": cannot create it in " + dir.string() + ": " + std::strerror(errno));
+}
+
 void plan_data(RunPlan& p) {
   const TrainOptions& o = p.opts;
   const ViTConfig& m = o.model;
@@ -71,11 +88,8 @@ RunPlan plan_run(const TrainOptions& opts, const ProcessGroup& group) {
     p.initial = std::make_shared<const InitialState>(read_timm_weights(o.init_from, o.model));
   }
 
-  if (p.logs() && !o.save_dir.empty()) check_writable_dir(o.save_dir, "--save");  // now, not after the run
-  if (p.logs() && !o.log_file.empty()) {
-    std::FILE* f = std::fopen(o.log_file.c_str(), "a");  // appended: a resumed run continues its log
-    if (!f) throw RuntimeError("--log " + o.log_file + ": " + std::strerror(errno));
-    p.log.reset(f, [](std::FILE* f) { std::fclose(f); });
-  }
+  // Checked now, not after the run; nothing is created until the run starts.
+  if (p.logs() && !o.save_dir.empty()) check_writable_dir(o.save_dir, "--save");
+  if (p.logs() && !o.log_file.empty()) check_appendable(o.log_file, "--log");
   return p;
 }

@@ -4,7 +4,6 @@
 // user-facing input is checked here or in the command line's parser, so bad input stops the run
 // with one message before a GPU is touched; what is left for start-up needs the GPU itself.
 #pragma once
-#include <cstdio>
 #include <memory>
 #include <string>
 
@@ -25,9 +24,6 @@ struct RunPlan {
   std::string data_summary;
   // --resume or --init-from; null: timm's initialisation from the seed.
   std::shared_ptr<const InitialState> initial;
-  // --log, opened (appended) by the job's first process; null elsewhere or without --log.
-  std::shared_ptr<std::FILE> log;
-
   bool logs() const { return group.rank == 0; }  // this process prints and writes (its first rank)
 };
 

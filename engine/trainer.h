@@ -128,7 +128,7 @@ class Trainer {
   WorkerContext ctx_;
   int start_step_ = 0;        // --resume: the checkpoint's step
   std::string resumed_from_;  // --resume: the checkpoint
-  std::FILE* log_ = nullptr;  // --log, rank 0 (the plan's)
+  std::FILE* log_ = nullptr;  // --log, rank 0
   __nv_bfloat16* reduce_staging_ = nullptr;  // ncclMemAlloc'd under --nccl-window, else cudaMalloc'd
   float* scalar_ = nullptr;                   // device scratch for reduced scalars
   unsigned long long* checksums_ = nullptr;   // device: [world][2] (master, bf16)

@@ -2,8 +2,10 @@
 // allocated, the model, its step and the gradient exchange made, the data loaders started, the
 // weights initialised or loaded, and the untimed start-up pass.
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "engine/trainer.h"
@@ -85,7 +87,6 @@ double known_peak_tflops(const cudaDeviceProp& props) {
 
 Trainer::Trainer(const RunPlan& plan, WorkerContext ctx) : plan_(plan), opts_(plan.opts), ctx_(ctx) {
   check_device();
-  if (ctx_.logs()) log_ = plan_.log.get();
   check_data_across_ranks();
   schedule_.kind = opts_.lr_schedule;
   schedule_.base = opts_.lr;
@@ -108,6 +109,10 @@ Trainer::Trainer(const RunPlan& plan, WorkerContext ctx) : plan_(plan), opts_(pl
       if (loss_sum_)
         CUDA_CHECK(cudaMemcpy(loss_sum_, &plan_.initial->state.epoch_loss_sum, sizeof(float), cudaMemcpyHostToDevice));
     }
+  }
+  if (ctx_.logs() && !opts_.log_file.empty()) {  // checked by the plan; opened now
+    log_ = std::fopen(opts_.log_file.c_str(), "a");  // appended: a resumed run continues its log
+    if (!log_) throw RuntimeError("--log " + opts_.log_file + ": " + std::strerror(errno));
   }
   prepare();
 }
@@ -347,6 +352,7 @@ void Trainer::prepare() {
 
 Trainer::~Trainer() {
   if (stream_) cudaStreamSynchronize(stream_);
+  if (log_) std::fclose(log_);
   sync_.reset();
   cudaFree(loss_sum_);
   cudaFree(correct_);

@@ -8,10 +8,24 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <functional>
+#include <type_traits>
 
 #include "kernels/fp8_out.h"
 #include "kernels/fp8_scaling.h"
+
+// The producer kernel's launch, called with where to write: a reference to a callable that
+// lives for the call (the lambdas at the call sites), so nothing is allocated per tensor.
+class Fp8Producer {
+ public:
+  template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, Fp8Producer>>>
+  Fp8Producer(const F& f)  // NOLINT: converts from any callable, as std::function does
+      : callable_(&f), call_([](const void* c, const Fp8Out& o) { (*static_cast<const F*>(c))(o); }) {}
+  void operator()(const Fp8Out& o) const { call_(callable_, o); }
+
+ private:
+  const void* callable_;
+  void (*call_)(const void*, const Fp8Out&);
+};
 
 class Fp8Tensors {
  public:
@@ -19,9 +33,8 @@ class Fp8Tensors {
   // The tensor's scaling record on the device; a GEMM dequantises the tensor by its scale_inv.
   virtual Fp8Meta* meta(int tensor) const = 0;
   // Runs launch (once or more) so that it writes the tensor in format kind to out and/or out_t.
-  using Producer = std::function<void(const Fp8Out&)>;
   virtual void produce(int tensor, Fp8Kind kind, uint8_t* out, uint8_t* out_t, cudaStream_t stream,
-                       const Producer& launch) = 0;
+                       Fp8Producer launch) = 0;
   // Whether produce() runs its producer once, with the scale the record holds: then one launch
   // may write several tensors, each through one_pass_out() of its own.
   virtual bool one_pass() const = 0;

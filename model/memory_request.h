@@ -20,8 +20,9 @@ class MemoryRequest {
   void add_bytes(MemoryCategory category, void** slot, size_t bytes);
   size_t bytes(MemoryCategory category) const { return bytes_[static_cast<int>(category)]; }
   size_t bytes() const;
-  // Points every slot of the category into [base, base + bytes(category)).
-  void place(MemoryCategory category, void* base) const;
+  // Points every slot of the category into [base, base + bytes(category)); nothing may be added
+  // to it after this, and it is placed once.
+  void place(MemoryCategory category, void* base);
 
  private:
   struct Slot {
@@ -30,4 +31,5 @@ class MemoryRequest {
   };
   std::array<std::vector<Slot>, kMemoryCategories> slots_;
   std::array<size_t, kMemoryCategories> bytes_{};
+  std::array<bool, kMemoryCategories> placed_{};
 };

@@ -229,8 +229,13 @@ std::vector<std::pair<size_t, size_t>> ViT::freeze_fp32_reads() {
   return ranges;
 }
 
+void ViT::require_fp8_recipe() const {
+  ENSURE(precision_ != Precision::FP8 || fp8_, "ViT: in FP8 the model runs under a recipe (set_fp8), none was set");
+}
+
 void ViT::cast_fp8_weights(int first, int count, cudaStream_t st, OpTimer* timer) {
   if (precision_ != Precision::FP8) return;
+  require_fp8_recipe();
   NvtxRange range("fp8 weight casts");
   OpTimer untimed(false);
   auto t = (timer ? *timer : untimed).op(OpKind::Fp8Cast, st);
@@ -282,6 +287,7 @@ std::vector<ViT::Fp8TensorGroup> ViT::fp8_tensor_groups() const {
 }
 
 void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const cudaEvent_t* part_updated) {
+  require_fp8_recipe();
   auto await_part = [&](int part) {
     if (part_updated) CUDA_CHECK(cudaStreamWaitEvent(st, part_updated[part]));
   };
@@ -399,6 +405,7 @@ void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) 
 
 void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::function<void(size_t)>& grads_ready_from,
                    const WeightGradStream* wgrad) {
+  require_fp8_recipe();
   auto ready_from = [&](int tensor) {
     if (grads_ready_from) grads_ready_from(tensor < 0 ? 0 : layout_.at(tensor).offset);
   };

@@ -160,6 +160,7 @@ class ViT {
   // FP8: each tensor is made by the kernel that computes it, launch(const Fp8Out&), run under
   // the recipe.
   int fp8_tensor(int l, Lin lin, Role role) const { return (l * 4 + lin) * 3 + role; }
+  void require_fp8_recipe() const;
   Fp8Meta* meta(int l, Lin lin, Role role) const { return fp8_->meta(fp8_tensor(l, lin, role)); }
   template <class Launch>
   void produce_fp8(int l, Lin lin, Role role, uint8_t* out, uint8_t* out_t, cudaStream_t st, Launch&& launch) {
