@@ -20,6 +20,8 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 struct DeviceInfo {
   int major = 0, minor = 0, smem_optin = 0;
   int smem_per_sm = 0, smem_reserved = 0;  // an SM's shared memory, and what each block takes beside its own

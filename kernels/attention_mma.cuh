@@ -38,7 +38,6 @@ using bf16 = __nv_bfloat16;
 constexpr int kTile = 64;   // rows per block and rows per streamed chunk
 constexpr int kWarps = 4;   // 16 rows each
 constexpr int kThreads = kWarps * 32;
-constexpr float kLog2e = 1.4426950408889634f;
 
 // ---------------------------------------------------------------------------------------------
 // Shared-memory geometry. A tile is kTile rows of pad16(hd) bf16, each row padded by 8 elements

@@ -36,7 +36,6 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 constexpr int kQTile = 64;
-constexpr float kLog2e = 1.4426950408889634f;
 __host__ __device__ constexpr int q_bytes(int hd) { return kQTile * hd * 2; }
 __host__ __device__ constexpr int tiles(int T) { return (T + kQTile - 1) / kQTile; }  // 64-row tiles
 
@@ -83,6 +82,14 @@ __device__ __forceinline__ void load_wide(uint32_t dst, int R, const CUtensorMap
   tma::load_3d(dst, map, col, row, b, bar);
   if (HD > 64) tma::load_3d(dst + R * 128, tail, col + 64, row, b, bar);
 }
+// The K and V tiles of head h, R rows from row `row` of image b, into k_dst and v_dst by TMA
+// (qkv's K and V columns), their bytes counted on bar.
+template <int HD>
+__device__ __forceinline__ void load_kv_wide(uint32_t k_dst, uint32_t v_dst, int R, const CUtensorMap* map,
+                                             const CUtensorMap* tail, int H, int h, int row, int b, uint32_t bar) {
+  load_wide<HD>(k_dst, R, map, tail, (H + h) * HD, row, b, bar);
+  load_wide<HD>(v_dst, R, map, tail, (2 * H + h) * HD, row, b, bar);
+}
 // A staged 64-row wide tile out by TMA, one bulk group (tma::wait_read before src is reused).
 template <int HD>
 __device__ __forceinline__ void store_wide(uint32_t src, const CUtensorMap* map, const CUtensorMap* tail, int col, int row,
@@ -97,6 +104,10 @@ __device__ __forceinline__ void bar_sync(int id, int count) {
 }
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// bar expects `bytes` more of the TMA loads issued next (this thread's arrival with them).
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
   uint32_t done = 0;
@@ -134,7 +145,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// This CTA's row, read once (a load of g_trace at every stamp slowed the stamping thread).
+// This CTA's row, read once (a load of g_trace at every stamp would slow the stamping thread).
 __device__ __forceinline__ unsigned long long* trace_row() {
   return g_trace ? g_trace + (size_t(blockIdx.y) * gridDim.x + blockIdx.x) * kSlots : nullptr;
 }

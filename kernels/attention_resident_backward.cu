@@ -112,7 +112,7 @@ __device__ __forceinline__ uint32_t slot_offset(int r, int k) {  // byte of (que
 }
 
 // kKeyTiles 0: one CTA per (head, image), T <= 256. Else key blocks: this CTA's key tiles,
-// block_tiles (4; 2 at hd 128) or (the last block) fewer, fixed at compile time (a count worked out at run time made ptxas
+// block_tiles (4; 2 at hd 128) or (the last block) fewer, fixed at compile time (a count worked out at run time makes ptxas
 // serialize the wgmmas, C7512), and whether it holds the last key tile; blockIdx.z + first_block
 // is the block.
 // kExtraKeys (hd 64 and 80, 257 to 272 tokens: 4 whole key tiles and 1 to 16 keys past them): the
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const uint32_t bar = s_bar + 8 * buf(i);
     if (int(threadIdx.x) == issuer) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
+      mbar_expect_tx(bar, 2 * kTile);
       load_wide<HD>(s_q + buf(i) * kTile, kQTile, &qkv_map, &qkv_tail, hh * HD, i * kQTile, bb, bar);
       load_wide<HD>(s_do + buf(i) * kTile, kQTile, &do_map, &do_tail, hh * HD, i * kQTile, bb, bar);
     } else {
@@ -224,9 +224,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // query tiles 1-3.
     const auto load_keys = [&](int c) {
       const uint32_t bar = s_kvbar + 8 * c;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * kTile) : "memory");
-      load_wide<HD>(s_k + c * kTile, kQTile, &qkv_map, &qkv_tail, (H + h) * HD, (kt0 + c) * kQTile, b, bar);
-      load_wide<HD>(s_v + c * kTile, kQTile, &qkv_map, &qkv_tail, (2 * H + h) * HD, (kt0 + c) * kQTile, b, bar);
+      mbar_expect_tx(bar, 2 * kTile);
+      load_kv_wide<HD>(s_k + c * kTile, s_v + c * kTile, kQTile, &qkv_map, &qkv_tail, H, h, (kt0 + c) * kQTile, b, bar);
     };
     if (threadIdx.x == 128) load_keys(0);
     if (threadIdx.x == 128 || (threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256)) load_query(0, 128, 256 - kLseLoaders);
@@ -234,9 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int c = 1; c < nk; ++c) load_keys(c);
     if (kExtraKeys && threadIdx.x == 128) {  // the extra keys' K and V, 16 rows each
       const uint32_t bar = s_kvbar + 8 * nk;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(2 * narrow_tile_bytes(HD)) : "memory");
-      load_wide<HD>(s_extra_k, 16, &narrow_map, &narrow_tail, (H + h) * HD, nk * kQTile, b, bar);
-      load_wide<HD>(s_extra_v, 16, &narrow_map, &narrow_tail, (2 * H + h) * HD, nk * kQTile, b, bar);
+      mbar_expect_tx(bar, 2 * narrow_tile_bytes(HD));
+      load_kv_wide<HD>(s_extra_k, s_extra_v, 16, &narrow_map, &narrow_tail, H, h, nk * kQTile, b, bar);
     }
     if (threadIdx.x == 128 || (threadIdx.x >= 256 - kLseLoaders && threadIdx.x < 256))
       for (int i = 1; i < min(nb, n); ++i) load_query(i, 128, 256 - kLseLoaders);
@@ -244,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     trace(tr, kBwdIssueBegins);
     for (int t = 0; t < n; ++t) {
       const uint32_t bar = s_bar + 8 * t;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(5 * kTile) : "memory");
+      mbar_expect_tx(bar, 5 * kTile);
       for (int which = 0; which < 4; ++which) {  // Q, dO, K, V
         const int col = ((which < 2 ? 0 : (which - 1) * H) + h) * HD;
         const uint32_t dst = s_q + which * n * kTile + t * kTile;
@@ -274,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float scale_log2 = scale * kLog2e;
     const float* stats = reinterpret_cast<const float*>(smem + (s_stats - s_q));
     // Extra keys: their dV^T and dK^T (hd x 16 keys: at hd 80 two m64n16 chunks, the second's rows
-    // past 80 unused), summed over the query tiles in shared memory (in registers they made ptxas
+    // past 80 unused), summed over the query tiles in shared memory (in registers they would make ptxas
     // spill at hd 80): this thread's float e of a chunk-0 fragment at e * 128 + thread, of a
     // chunk-1 one (warp 0) at 1024 + e * 32 + lane; dK^T's extra_acc_floats on.
     constexpr int kExtraAcc = HD > 64 ? 16 : 8;
@@ -405,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (threadIdx.x == 0) trace(tr, kBwdSlotFull + 4 * i + c);
         }
       };
-      if (!kKeyBlocks && i + 1 == n && last_k16 == 1) {  // (key blocks: under memcheck this path faulted)
+      if (!kKeyBlocks && i + 1 == n && last_k16 == 1) {  // (key blocks always take key_tile)
         if (n == 1) few_rows(std::integral_constant<int, 1>{});
         else if (n == 2) few_rows(std::integral_constant<int, 2>{});
         else if (n == 3) few_rows(std::integral_constant<int, 3>{});

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(128 * kWgs, kWgs == 2 && HD <= 80 ? 2 : 1)  //
   // Q tile i into its buffer, on the buffer's mbarrier (issued by one thread).
   const auto load_q = [&](int i) {
     const uint32_t bar = s_qbar + 8 * (i % q_slots);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kTile) : "memory");
+    mbar_expect_tx(bar, kTile);
     load_wide<HD>(s_q + (i % q_slots) * kTile, kQTile, &qkv_map, &qkv_upper, h * HD, i * kQTile, b, bar);
   };
 
@@ -91,9 +91,7 @@ __global__ void __launch_bounds__(128 * kWgs, kWgs == 2 && HD <= 80 ? 2 : 1)  //
       if (t < q_slots) load_q(t);
       const uint32_t bar = s_bar + 8 * t;
       const bool narrow = t + 1 == n && last_rows < kQTile;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                   "r"(2 * (narrow ? last_rows : kQTile) * HD * 2)
-                   : "memory");
+      mbar_expect_tx(bar, 2 * (narrow ? last_rows : kQTile) * HD * 2);
       for (int part = 1; part < 3; ++part) {  // K, V
         const uint32_t dst = (part == 1 ? s_k : s_v) + t * kTile;
         const int col = (part * H + h) * HD;

@@ -21,8 +21,8 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 
 // Eight bf16 values moved as one 16-byte access: held as a uint4, which the compiler copies with
-// one vector load or store. (As four __nv_bfloat162 members, every copy from global memory became
-// four 4-byte loads: four times the load instructions in the kernels that stream them.)
+// one vector load or store (as four __nv_bfloat162 members, every copy from global memory would
+// be four 4-byte loads).
 struct alignas(16) Bf16x8 {
   uint4 u;  // value 2i in u's word i's low half, value 2i + 1 in its high half
   __device__ void to_float(float* f) const {
