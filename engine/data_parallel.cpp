@@ -56,15 +56,22 @@ struct Supervisor {
 };
 }  // namespace
 
-void report_failure_to_job(const ProcessGroup& group, const std::string& what) {
-  std::vector<char> id_bytes;
-  if (group.rank == 0) {  // the others start NCCL with it before the failure reaches them: a real id
+namespace {
+// What process 0 hands the others at the rendezvous: the NCCL id (empty on the others).
+std::vector<char> nccl_id_payload(const ProcessGroup& group) {
+  std::vector<char> bytes;
+  if (group.rank == 0) {
     ncclUniqueId id;
-    if (ncclGetUniqueId(&id) == ncclSuccess) id_bytes.assign(id.internal, id.internal + sizeof id.internal);
-    else id_bytes.assign(sizeof id.internal, 0);
+    NCCL_CHECK(ncclGetUniqueId(&id));
+    bytes.assign(id.internal, id.internal + sizeof id.internal);
   }
-  try {
-    ControlChannel channel(group, id_bytes, sizeof(ncclUniqueId), kRendezvousTimeoutS);
+  return bytes;
+}
+}  // namespace
+
+void report_failure_to_job(const ProcessGroup& group, const std::string& what) {
+  try {  // a real id: the others may start NCCL with it before the failure reaches them
+    ControlChannel channel(group, nccl_id_payload(group), sizeof(ncclUniqueId), kRendezvousTimeoutS);
     channel.report_failure(what);
   } catch (const std::exception&) {  // no rendezvous: the failure's own message is printed anyway
   }
@@ -113,12 +120,7 @@ int run_data_parallel(RunPlan& plan) {
   }
 
   // The NCCL id travels from process 0 to the others over the control channel.
-  std::vector<char> id_bytes;
-  if (group.rank == 0) {
-    ncclUniqueId id;
-    NCCL_CHECK(ncclGetUniqueId(&id));
-    id_bytes.assign(id.internal, id.internal + sizeof id.internal);
-  }
+  const std::vector<char> id_bytes = nccl_id_payload(group);
   Supervisor sup;  // before the channel: its watcher thread may call into sup until the channel is gone
   sup.comms.assign(opts.gpus, nullptr);
   ControlChannel channel(group, id_bytes, sizeof(ncclUniqueId), kRendezvousTimeoutS);

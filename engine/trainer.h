@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <memory>
@@ -100,6 +101,8 @@ class Trainer {
   void setup_attention();
   void prepare();
   size_t gemm_workspaces() const { return gemm_workspace_ * (second_stream_ ? 2 : 1); }
+  size_t bucket_floats() const { return std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float)); }
+  static double gib(size_t bytes) { return bytes / double(1ull << 30); }
 
   // The loop (trainer.cpp).
   void record_epoch_and_evaluate(int step, std::vector<EpochResult>& epochs);

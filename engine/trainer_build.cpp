@@ -43,8 +43,6 @@ void all_reduce_host(Comm& comm, T* values, int n, ncclDataType_t type, ncclRedO
 
 constexpr size_t kGemmWorkspace = 32u << 20;  // what cuBLASLt asks for on Hopper
 
-double gib(size_t bytes) { return bytes / double(1ull << 30); }
-
 // Everything one step of this model, batch and precision asks for (model, optimizer, FP8
 // recipe), declared but not allocated.
 void request_step_memory(const ViTConfig& cfg, int batch, Precision precision, MemoryRequest& memory,
@@ -162,8 +160,7 @@ void Trainer::check_memory() {
   const Precision precision = opts_.precision;
   const size_t param_floats = ParamLayout(cfg).total();
   const size_t staging = ctx_.comm ? GradSync::staging_elements(param_floats, opts_.reduce_dtype) : 0;
-  const size_t bucket_floats = std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float));
-  const size_t receive = ctx_.peers ? GradSync::receive_floats(param_floats, bucket_floats, ctx_.world) : 0;
+  const size_t receive = ctx_.peers ? GradSync::receive_floats(param_floats, bucket_floats(), ctx_.world) : 0;
   const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspaces() +
                       staging * sizeof(__nv_bfloat16) + receive * sizeof(float);
   size_t free_b = 0, total_b = 0;
@@ -210,7 +207,6 @@ void Trainer::build_exchange() {
   if (ctx_.comm) {
     const size_t param_floats = model_->layout().total();
     const size_t staging = GradSync::staging_elements(param_floats, opts_.reduce_dtype);
-    const size_t bucket_floats = std::max<size_t>(1, (size_t(opts_.bucket_mb) << 20) / sizeof(float));
     const bool window = opts_.nccl_window;
     if (staging && window) {
       reduce_staging_ = static_cast<__nv_bfloat16*>(nccl_alloc(staging * sizeof(__nv_bfloat16)));
@@ -229,7 +225,7 @@ void Trainer::build_exchange() {
     state.params = model_->params();
     state.momentum = sgd_->momentum();
     state.params_bf16 = model_->params_bf16();
-    sync_ = std::make_unique<GradSync>(*ctx_.comm, model_->grads(), param_floats, bucket_floats, opts_.reduce_dtype,
+    sync_ = std::make_unique<GradSync>(*ctx_.comm, model_->grads(), param_floats, bucket_floats(), opts_.reduce_dtype,
                                        reduce_staging_, stream_, opts_.comm_overlap, window, ctx_.peers,
                                        shard ? &state : nullptr);
     if (!sync_->window_failure().empty() && ctx_.rank == 0)

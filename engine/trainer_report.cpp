@@ -10,10 +10,6 @@
 #include "kernels/check.h"
 #include "kernels/event_timing.h"
 
-namespace {
-double gib(size_t bytes) { return bytes / double(1ull << 30); }
-}  // namespace
-
 void Trainer::log_json(const std::string& fields) {
   if (!log_) return;
   std::fprintf(log_, "{%s}\n", fields.c_str());
