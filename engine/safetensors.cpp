@@ -6,11 +6,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 
 #include "kernels/check.h"
 
@@ -75,126 +74,225 @@ void write_text_file(const std::string& path, const std::string& text) {
 }
 
 namespace {
-// The JSON a safetensors header holds: objects, arrays, strings, integers (and true, false,
-// null, which it never needs but a writer may add to the metadata).
-struct JsonValue {
-  enum Kind { Object, Array, String, Number, Other } kind = Other;
-  std::vector<std::pair<std::string, JsonValue>> members;
-  std::vector<JsonValue> items;
-  std::string text;
-  int64_t number = 0;
-};
-
-class JsonParser {
+// The header's JSON, parsed straight into the tensor table: nothing is kept but the entries
+// (metadata and unknown keys are checked and skipped), so the memory the parse takes stays a
+// small multiple of the header's size. Every number is bounded before it is used.
+class HeaderParser {
  public:
-  JsonParser(const std::string& s, const std::string& path) : s_(s), path_(path) {}
-  JsonValue parse() {
-    JsonValue v = value();
+  HeaderParser(const char* text, size_t size, const std::string& path) : s_(text), n_(size), path_(path) {}
+
+  // name -> entry, in header order (offsets not yet checked against the file).
+  std::vector<std::pair<std::string, SafetensorsFile::Entry>> parse() {
+    std::vector<std::pair<std::string, SafetensorsFile::Entry>> out;
+    expect('{');
+    if (peek() == '}') {
+      ++i_;
+    } else {
+      for (;;) {
+        const size_t at = i_;
+        std::string key = string();
+        expect(':');
+        if (key == "__metadata__") {
+          if (seen_metadata_) fail_at(at, "has __metadata__ twice");
+          seen_metadata_ = true;
+          skip_value(1);
+        } else {
+          out.emplace_back(std::move(key), entry());
+        }
+        if (peek() == ',') { ++i_; continue; }
+        expect('}');
+        break;
+      }
+    }
     space();
-    if (i_ != s_.size()) fail("text after the header's end");
-    return v;
+    if (i_ != n_) fail("has text after its end");
+    return out;
   }
 
  private:
-  [[noreturn]] void fail(const std::string& what) {
-    throw RuntimeError(path_ + " is not a valid safetensors file: header " + what + " at byte " + std::to_string(i_));
+  static constexpr int kMaxDepth = 32;  // a header is two levels deep; metadata may nest a little
+  static constexpr size_t kMaxRank = 32;
+  static constexpr int64_t kMaxNumber = int64_t(1) << 62;
+
+  [[noreturn]] void fail_at(size_t at, const std::string& what) {
+    throw RuntimeError(path_ + " is not a valid safetensors file: header " + what + " at byte " + std::to_string(at));
   }
+  [[noreturn]] void fail(const std::string& what) { fail_at(i_, what); }
   void space() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\r' || s_[i_] == '\t')) ++i_;
+    while (i_ < n_ && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\r' || s_[i_] == '\t')) ++i_;
   }
   char peek() {
     space();
-    if (i_ >= s_.size()) fail("ends early");
+    if (i_ >= n_) fail("ends early");
     return s_[i_];
   }
   void expect(char c) {
     if (peek() != c) fail(std::string("expects '") + c + "'");
     ++i_;
   }
-  std::string string() {
+  int hex4() {
+    if (n_ - i_ < 4) fail("ends in an escape");
+    int v = 0;
+    for (int k = 0; k < 4; ++k) {
+      const char c = s_[i_++];
+      const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+      if (d < 0) fail("has a bad \\u escape");
+      v = v * 16 + d;
+    }
+    return v;
+  }
+  static void append_utf8(std::string& out, uint32_t cp) {
+    if (cp < 0x80) {
+      out += char(cp);
+    } else if (cp < 0x800) {
+      out += char(0xC0 | (cp >> 6));
+      out += char(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += char(0xE0 | (cp >> 12));
+      out += char(0x80 | ((cp >> 6) & 0x3F));
+      out += char(0x80 | (cp & 0x3F));
+    } else {
+      out += char(0xF0 | (cp >> 18));
+      out += char(0x80 | ((cp >> 12) & 0x3F));
+      out += char(0x80 | ((cp >> 6) & 0x3F));
+      out += char(0x80 | (cp & 0x3F));
+    }
+  }
+  // A JSON string, its escapes decoded (\uXXXX to UTF-8); with keep false, checked and dropped.
+  std::string string(bool keep = true) {
     expect('"');
     std::string out;
-    while (i_ < s_.size() && s_[i_] != '"') {
-      if (s_[i_] == '\\') {
-        if (++i_ >= s_.size()) fail("ends in an escape");
-        const char e = s_[i_];
-        if (e == 'u') {  // kept as is: names here are ASCII
-          if (i_ + 4 >= s_.size()) fail("ends in an escape");
-          out += s_.substr(i_ - 1, 6);
-          i_ += 4;
-        } else {
-          out += e == 'n' ? '\n' : e == 't' ? '\t' : e;
-        }
-        ++i_;
+    for (;;) {
+      if (i_ >= n_) fail("has an unterminated string");
+      const char c = s_[i_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("has a control character in a string");
+      if (c != '\\') {
+        if (keep) out += c;
         continue;
       }
-      out += s_[i_++];
+      if (i_ >= n_) fail("ends in an escape");
+      const char e = s_[i_++];
+      uint32_t cp;
+      switch (e) {
+        case '"': case '\\': case '/': cp = static_cast<unsigned char>(e); break;
+        case 'b': cp = '\b'; break;
+        case 'f': cp = '\f'; break;
+        case 'n': cp = '\n'; break;
+        case 'r': cp = '\r'; break;
+        case 't': cp = '\t'; break;
+        case 'u': {
+          cp = static_cast<uint32_t>(hex4());
+          if (cp >= 0xD800 && cp < 0xDC00) {  // a surrogate pair
+            if (n_ - i_ < 2 || s_[i_] != '\\' || s_[i_ + 1] != 'u') fail("has a lone surrogate");
+            i_ += 2;
+            const uint32_t low = static_cast<uint32_t>(hex4());
+            if (low < 0xDC00 || low >= 0xE000) fail("has a lone surrogate");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+          } else if (cp >= 0xDC00 && cp < 0xE000) {
+            fail("has a lone surrogate");
+          }
+          break;
+        }
+        default: fail("has an unknown escape");
+      }
+      if (keep) append_utf8(out, cp);
     }
-    if (i_ >= s_.size()) fail("has an unterminated string");
-    ++i_;
-    return out;
   }
-  JsonValue value() {
-    if (++depth_ > 32) fail("nests too deep");  // a header is two levels deep; never a stack overflow
-    struct Leave {
-      int& d;
-      ~Leave() { --d; }
-    } leave{depth_};
-    JsonValue v;
-    const char c = peek();
-    if (c == '{') {
-      v.kind = JsonValue::Object;
-      ++i_;
-      if (peek() == '}') { ++i_; return v; }
+  // A non-negative integer no larger than kMaxNumber.
+  int64_t count() {
+    if (peek() < '0' || peek() > '9') fail("expects a non-negative integer");
+    int64_t v = 0;
+    while (i_ < n_ && s_[i_] >= '0' && s_[i_] <= '9') {
+      const int digit = s_[i_++] - '0';
+      if (v > (kMaxNumber - digit) / 10) fail("has a number out of range");
+      v = v * 10 + digit;
+    }
+    if (i_ < n_ && (s_[i_] == '.' || s_[i_] == 'e' || s_[i_] == 'E')) fail("has a non-integer number");
+    return v;
+  }
+  std::vector<int64_t> counts(size_t max_items) {
+    std::vector<int64_t> v;
+    expect('[');
+    if (peek() == ']') { ++i_; return v; }
+    for (;;) {
+      if (v.size() == max_items) fail("has an array too long");
+      v.push_back(count());
+      if (peek() == ',') { ++i_; continue; }
+      expect(']');
+      return v;
+    }
+  }
+  SafetensorsFile::Entry entry() {
+    SafetensorsFile::Entry e{};
+    bool dtype = false, shape = false, offsets = false;
+    std::vector<int64_t> range;
+    expect('{');
+    if (peek() != '}') {
       for (;;) {
-        std::string key = string();
+        const size_t at = i_;
+        const std::string key = string();
         expect(':');
-        v.members.emplace_back(std::move(key), value());
+        bool* seen = key == "dtype" ? &dtype : key == "shape" ? &shape : key == "data_offsets" ? &offsets : nullptr;
+        if (seen && *seen) fail_at(at, "has " + key + " twice in one entry");
+        if (seen) *seen = true;
+        if (key == "dtype") e.dtype = string();
+        else if (key == "shape") e.shape = counts(kMaxRank);
+        else if (key == "data_offsets") range = counts(2);
+        else skip_value(2);
         if (peek() == ',') { ++i_; continue; }
-        expect('}');
-        return v;
+        break;
       }
     }
-    if (c == '[') {
-      v.kind = JsonValue::Array;
+    expect('}');
+    if (!dtype || !shape || !offsets || range.size() != 2) fail("has an entry without dtype, shape and two data_offsets");
+    e.offset = static_cast<size_t>(range[0]);
+    e.bytes = range[1] >= range[0] ? static_cast<size_t>(range[1] - range[0]) : ~size_t(0);
+    return e;
+  }
+  // Any JSON value, checked and dropped.
+  void skip_value(int depth) {
+    if (depth > kMaxDepth) fail("nests too deep");
+    const char c = peek();
+    if (c == '{' || c == '[') {
+      const char close = c == '{' ? '}' : ']';
       ++i_;
-      if (peek() == ']') { ++i_; return v; }
+      if (peek() == close) { ++i_; return; }
       for (;;) {
-        v.items.push_back(value());
+        if (c == '{') {
+          string(false);
+          expect(':');
+        }
+        skip_value(depth + 1);
         if (peek() == ',') { ++i_; continue; }
-        expect(']');
-        return v;
+        expect(close);
+        return;
       }
     }
     if (c == '"') {
-      v.kind = JsonValue::String;
-      v.text = string();
-      return v;
+      string(false);
+      return;
     }
-    if (c == '-' || (c >= '0' && c <= '9')) {
-      v.kind = JsonValue::Number;
-      const size_t start = i_;
-      if (s_[i_] == '-') ++i_;
-      while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') ++i_;
-      if (i_ < s_.size() && (s_[i_] == '.' || s_[i_] == 'e' || s_[i_] == 'E')) fail("has a non-integer number");
-      try {
-        v.number = std::stoll(s_.substr(start, i_ - start));
-      } catch (const std::exception&) {
-        fail("has a number out of range");
-      }
-      return v;
+    if (c == '-' || (c >= '0' && c <= '9')) {  // a number's characters; its value is not needed
+      ++i_;
+      while (i_ < n_ && std::strchr("0123456789.eE+-", s_[i_]) && s_[i_] != '\0') ++i_;
+      return;
     }
-    for (const char* word : {"true", "false", "null"})
-      if (s_.compare(i_, std::strlen(word), word) == 0) {
-        i_ += std::strlen(word);
-        return v;
+    for (const char* word : {"true", "false", "null"}) {
+      const size_t len = std::strlen(word);
+      if (n_ - i_ >= len && std::memcmp(s_ + i_, word, len) == 0) {
+        i_ += len;
+        return;
       }
+    }
     fail("has an unexpected character");
   }
-  const std::string& s_;
+
+  const char* s_;
+  size_t n_;
   const std::string& path_;
   size_t i_ = 0;
-  int depth_ = 0;
+  bool seen_metadata_ = false;
 };
 
 size_t dtype_size(const std::string& d) {
@@ -210,64 +308,75 @@ std::string shape_text(const std::vector<int64_t>& s) {
   for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
   return t + "]";
 }
+
+std::string range_text(size_t begin, size_t bytes) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(begin + bytes) + ")";
+}
+
+// A mapping's limit: the file is mapped, not read, so only the address space bounds it.
+constexpr size_t kMaxFileBytes = size_t(1) << 42;
 }  // namespace
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw RuntimeError("cannot open " + path + ": " + std::strerror(errno));
-  std::error_code ec;  // (a directory opens, and its "size" is no size)
-  if (!std::filesystem::is_regular_file(path, ec)) throw RuntimeError("cannot read " + path + ": not a regular file");
-  const std::streamoff size = in.tellg();
-  in.seekg(0);
-  bytes_.resize(static_cast<size_t>(size));
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes_.data()), size))
-    throw RuntimeError("cannot read " + path + ": " + std::strerror(errno));
-  if (bytes_.size() < 8) throw RuntimeError(path + " is not a safetensors file: shorter than its 8-byte header length");
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), file_(path, kMaxFileBytes) {
+  bytes_ = file_.data();
+  size_ = file_.size();
+  parse();
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& name, const uint8_t* bytes, size_t size)
+    : path_(name), bytes_(bytes), size_(size) {
+  parse();
+}
+
+void SafetensorsFile::parse() {
+  if (size_ < 8) throw RuntimeError(path_ + " is not a safetensors file: shorter than its 8-byte header length");
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(bytes_[i]) << (8 * i);
-  if (n < 2 || n > bytes_.size() - 8)
-    throw RuntimeError(path + " is not a safetensors file or is truncated: its header claims " + std::to_string(n) +
-                       " bytes, the file has " + std::to_string(bytes_.size()));
-  const std::string header(reinterpret_cast<const char*>(bytes_.data()) + 8, n);
+  if (n < 2 || n > size_ - 8 || n > kMaxHeaderBytes)
+    throw RuntimeError(path_ + " is not a safetensors file or is truncated: its header claims " + std::to_string(n) +
+                       " bytes, the file has " + std::to_string(size_) + " (and a header may hold at most " +
+                       std::to_string(kMaxHeaderBytes) + ")");
   data_start_ = 8 + n;
-  const size_t data_bytes = bytes_.size() - data_start_;
-  const JsonValue root = JsonParser(header, path).parse();
-  if (root.kind != JsonValue::Object) throw RuntimeError(path + ": the safetensors header is not a JSON object");
-  for (const auto& [name, v] : root.members) {
-    if (name == "__metadata__") continue;
-    auto bad = [&](const std::string& what) { return RuntimeError(path + ": tensor " + name + ": " + what); };
-    if (v.kind != JsonValue::Object) throw bad("its entry is not an object");
-    Entry e;
-    const JsonValue *dtype = nullptr, *shape = nullptr, *offsets = nullptr;
-    for (const auto& [k, m] : v.members) {
-      if (k == "dtype") dtype = &m;
-      else if (k == "shape") shape = &m;
-      else if (k == "data_offsets") offsets = &m;
-    }
-    if (!dtype || dtype->kind != JsonValue::String || !dtype_size(dtype->text)) throw bad("missing or unknown dtype");
-    if (!shape || shape->kind != JsonValue::Array) throw bad("missing shape");
-    if (!offsets || offsets->kind != JsonValue::Array || offsets->items.size() != 2) throw bad("missing data_offsets");
-    e.dtype = dtype->text;
+  const size_t data_bytes = size_ - data_start_;
+  auto entries = HeaderParser(reinterpret_cast<const char*>(bytes_) + 8, n, path_).parse();
+  std::vector<const std::pair<const std::string, Entry>*> by_offset;
+  for (auto& entry : entries) {
+    std::string& name = entry.first;
+    Entry& e = entry.second;
+    auto bad = [&](const std::string& what) { return RuntimeError(path_ + ": tensor " + name + ": " + what); };
+    if (!dtype_size(e.dtype)) throw bad("unknown dtype " + e.dtype.substr(0, 16));
     size_t count = 1;
-    for (const JsonValue& d : shape->items) {
-      if (d.kind != JsonValue::Number || d.number < 0) throw bad("a bad dimension");
-      e.shape.push_back(d.number);
-      if (d.number > 0 && count > (size_t(1) << 50) / static_cast<size_t>(d.number)) throw bad("a shape too large");
-      count *= static_cast<size_t>(d.number);
+    for (const int64_t d : e.shape) {
+      if (d > 0 && count > (size_t(1) << 50) / static_cast<size_t>(d)) throw bad("a shape too large");
+      count *= static_cast<size_t>(d);
     }
-    if (offsets->items[0].kind != JsonValue::Number || offsets->items[1].kind != JsonValue::Number)
-      throw bad("data_offsets that are not numbers");
-    if (tensors_.count(name)) throw bad("it appears twice");
-    const int64_t begin = offsets->items[0].number, end = offsets->items[1].number;
-    if (begin < 0 || end < begin || static_cast<uint64_t>(end) > data_bytes)
-      throw bad("its bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") lie outside the file's " +
-                std::to_string(data_bytes) + " data bytes (truncated?)");
-    e.offset = static_cast<size_t>(begin);
-    e.bytes = static_cast<size_t>(end - begin);
+    if (e.bytes == ~size_t(0) || e.offset > data_bytes || e.bytes > data_bytes - e.offset)
+      throw bad("its bytes lie outside the file's " + std::to_string(data_bytes) + " data bytes (truncated?)");
     if (e.bytes != count * dtype_size(e.dtype))
       throw bad(std::to_string(e.bytes) + " bytes do not hold a " + e.dtype + " tensor of shape " + shape_text(e.shape));
-    tensors_[name] = e;
+    if (tensors_.count(name)) throw bad("it appears twice");
+    by_offset.push_back(&*tensors_.emplace(std::move(name), std::move(e)).first);
   }
+  // The tensors tile the data section: each begins where the one before it ends.
+  std::sort(by_offset.begin(), by_offset.end(), [](const auto* a, const auto* b) {
+    return a->second.offset != b->second.offset ? a->second.offset < b->second.offset
+                                                : a->second.bytes < b->second.bytes;
+  });
+  size_t end = 0;
+  const std::pair<const std::string, Entry>* previous = nullptr;
+  for (const auto* t : by_offset) {
+    const Entry& e = t->second;
+    if (e.offset < end)
+      throw RuntimeError(path_ + ": tensor " + t->first + "'s bytes " + range_text(e.offset, e.bytes) +
+                         " overlap tensor " + previous->first + "'s " +
+                         range_text(previous->second.offset, previous->second.bytes));
+    if (e.offset > end)
+      throw RuntimeError(path_ + ": data bytes " + range_text(end, e.offset - end) + " belong to no tensor (corrupted?)");
+    end = e.offset + e.bytes;
+    previous = t;
+  }
+  if (end != data_bytes)
+    throw RuntimeError(path_ + ": " + std::to_string(data_bytes - end) + " bytes after the last tensor's end (corrupted?)");
 }
 
 const SafetensorsFile::Entry* SafetensorsFile::find(const std::string& name) const {
@@ -285,7 +394,7 @@ std::vector<float> SafetensorsFile::as_f32(const std::string& name, const std::v
   std::vector<float> out(n);
   const uint8_t* p = data(*e);
   if (e->dtype == "F32") {
-    std::memcpy(out.data(), p, e->bytes);
+    if (n > 0) std::memcpy(out.data(), p, e->bytes);
   } else if (e->dtype == "BF16") {
     for (size_t i = 0; i < n; ++i) {
       uint16_t b;
