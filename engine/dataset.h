@@ -14,8 +14,30 @@ struct ImageSet {
   std::vector<uint8_t> labels;  // [count]
 };
 
-// Reads an IDX3 image file and its IDX1 label file; throws RuntimeError naming the file and the
-// problem (missing, truncated, wrong magic number, counts that disagree, label >= classes).
+// One IDX array of uint8 elements: its dimensions (outermost first) and its elements.
+struct IdxArray {
+  std::vector<uint32_t> dims;
+  std::vector<uint8_t> data;
+};
+// The most elements an IDX file may claim (4 GiB of pixels).
+constexpr uint64_t kMaxIdxElements = uint64_t(1) << 32;
+
+// Decodes an IDX file's bytes, gzip-compressed (one gzip stream) or not, holding `rank`
+// dimensions of uint8. The header is checked before anything else is taken: its magic number, no
+// dimension zero, at most max_elements in all; a gzip stream is inflated no further than the
+// header's sizes allow, and nothing may follow the array or the stream. Throws RuntimeError
+// naming `name` and the problem (wrong magic number, truncated, longer than its header says,
+// corrupted).
+IdxArray decode_idx(const uint8_t* bytes, size_t size, int rank, const std::string& name,
+                    uint64_t max_elements = kMaxIdxElements);
+
+// An IDX3 image file's and its IDX1 label file's bytes decoded and checked against each other:
+// as decode_idx, at most 2^30 images of at most 2^24 pixels, as many labels as images, every
+// label below `classes`.
+ImageSet decode_idx_pair(const uint8_t* images, size_t images_size, const std::string& images_name,
+                         const uint8_t* labels, size_t labels_size, const std::string& labels_name, int classes);
+// The same read from files (regular files only); throws RuntimeError naming the file and the
+// problem (missing, not a regular file, as decode_idx_pair).
 ImageSet read_idx(const std::string& images_path, const std::string& labels_path, int classes);
 
 struct FashionMnist {
