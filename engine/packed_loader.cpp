@@ -1,30 +1,37 @@
 #include "engine/packed_loader.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <sstream>
 
-#include "kernels/check.h"
 #include "engine/dataset.h"
-#include "kernels/nvtx.h"
+#include "engine/regular_file.h"
 #include "kernels/augment.h"
+#include "kernels/check.h"
+#include "kernels/nvtx.h"
 
 namespace fs = std::filesystem;
 
+namespace {
+constexpr size_t kMaxClassListBytes = 16 << 20;
+constexpr size_t kMaxClasses = 1 << 20;
+// A shard's largest possible length (the header's bounds), so that the mapping is checked first.
+constexpr size_t kMaxShardBytes = sizeof(PackedShardHeader) +
+                                  size_t(kMaxPackedCount) * (4 + size_t(kMaxPackedSide) * kMaxPackedSide * 3);
+}  // namespace
+
 PackedSet::PackedSet(const std::string& dir) : dir_(dir) {
   if (!fs::is_directory(dir)) throw RuntimeError("packed data: " + dir + " is not a directory");
-  std::ifstream names((fs::path(dir) / "classes.txt").string());
-  if (!names) throw RuntimeError("packed data: " + dir + "/classes.txt is missing (not a pack_images directory?)");
+  const std::string class_list = (fs::path(dir) / "classes.txt").string();
+  if (!fs::exists(class_list)) throw RuntimeError("packed data: " + class_list + " is missing (not a pack_images directory?)");
+  std::istringstream names(read_text_file(class_list, kMaxClassListBytes));
   for (std::string line; std::getline(names, line);)
     if (!line.empty()) class_names_.push_back(line);
-  if (class_names_.empty()) throw RuntimeError("packed data: " + dir + "/classes.txt lists no class");
+  if (class_names_.empty()) throw RuntimeError("packed data: " + class_list + " lists no class");
+  if (class_names_.size() > kMaxClasses)
+    throw RuntimeError("packed data: " + class_list + " lists " + std::to_string(class_names_.size()) +
+                       " classes, more than " + std::to_string(kMaxClasses));
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string n = e.path().filename().string();
@@ -32,59 +39,30 @@ PackedSet::PackedSet(const std::string& dir) : dir_(dir) {
   }
   std::sort(files.begin(), files.end());
   if (files.empty()) throw RuntimeError("packed data: " + dir + " has no shard-*.bin");
-  try {
-    for (const fs::path& f : files) {
-      const std::string name = f.string();
-      const int fd = ::open(name.c_str(), O_RDONLY);
-      if (fd < 0) throw RuntimeError("packed data: cannot open " + name + ": " + std::strerror(errno));
-      struct stat st;
-      ::fstat(fd, &st);
-      Shard s;
-      s.bytes = static_cast<size_t>(st.st_size);
-      if (s.bytes < sizeof(PackedShardHeader)) {
-        ::close(fd);
-        throw RuntimeError("packed data: " + name + " is truncated (shorter than its header)");
-      }
-      s.map = ::mmap(nullptr, s.bytes, PROT_READ, MAP_SHARED, fd, 0);
-      ::close(fd);
-      if (s.map == MAP_FAILED) throw RuntimeError("packed data: cannot map " + name + ": " + std::strerror(errno));
-      shards_.push_back(s);  // unmapped by the destructor from here on
-      Shard& sh = shards_.back();
-      PackedShardHeader h;
-      std::memcpy(&h, sh.map, sizeof h);
-      if (!packed_magic_ok(h) || h.version != kPackedVersion)
-        throw RuntimeError("packed data: " + name + " is not a version-1 packed shard (corrupted?)");
-      if (h.channels != 3 || h.size == 0 || h.size > 65536 || h.count == 0 || h.count > (1u << 30) ||
-          h.classes != class_names_.size())
-        throw RuntimeError("packed data: " + name + " has channels " + std::to_string(h.channels) + ", size " +
-                           std::to_string(h.size) + ", " + std::to_string(h.classes) + " classes (classes.txt lists " +
-                           std::to_string(class_names_.size()) + ")");
-      if (packed_shard_bytes(h) != sh.bytes)
-        throw RuntimeError("packed data: " + name + " is " + std::to_string(sh.bytes) + " bytes, its header says " +
-                           std::to_string(packed_shard_bytes(h)) + " (truncated or corrupted)");
-      if (size_ != 0 && int(h.size) != size_)
-        throw RuntimeError("packed data: " + name + " holds " + std::to_string(h.size) + "-pixel images, the others " +
-                           std::to_string(size_));
-      size_ = static_cast<int>(h.size);
-      sh.first = count_;
-      sh.count = static_cast<int>(h.count);
-      sh.labels = reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(sh.map) + sizeof h);
-      sh.pixels = static_cast<const uint8_t*>(sh.map) + sizeof h + size_t(h.count) * 4;
-      for (int i = 0; i < sh.count; ++i)
-        if (sh.labels[i] < 0 || sh.labels[i] >= classes())
-          throw RuntimeError("packed data: " + name + " image " + std::to_string(i) + " has label " +
-                             std::to_string(sh.labels[i]) + " of " + std::to_string(classes()) + " classes");
-      if (int64_t(count_) + sh.count > (1 << 30)) throw RuntimeError("packed data: " + dir + " holds too many images");
-      count_ += sh.count;
+  for (const fs::path& f : files) {
+    const std::string name = f.string();
+    MappedFile map;
+    try {
+      map = MappedFile(name, kMaxShardBytes);
+    } catch (const RuntimeError& e) {
+      throw RuntimeError(std::string("packed data: ") + e.what());
     }
-  } catch (...) {
-    for (Shard& s : shards_) ::munmap(s.map, s.bytes);
-    throw;
+    const PackedShard checked = check_packed_shard(map.data(), map.size(), name, classes());
+    if (size_ != 0 && int(checked.size) != size_)
+      throw RuntimeError("packed data: " + name + " holds " + std::to_string(checked.size) + "-pixel images, the others " +
+                         std::to_string(size_));
+    if (int64_t(count_) + checked.count > int64_t(kMaxPackedCount))
+      throw RuntimeError("packed data: " + dir + " holds too many images");
+    size_ = static_cast<int>(checked.size);
+    Shard s;
+    s.first = count_;
+    s.count = static_cast<int>(checked.count);
+    s.labels = reinterpret_cast<const int32_t*>(checked.labels);  // (4-byte aligned: a mapping's start + 64)
+    s.pixels = checked.pixels;
+    s.file = std::move(map);
+    shards_.push_back(std::move(s));
+    count_ += static_cast<int>(checked.count);
   }
-}
-
-PackedSet::~PackedSet() {
-  for (Shard& s : shards_) ::munmap(s.map, s.bytes);
 }
 
 const PackedSet::Shard& PackedSet::shard_of(int i) const {

@@ -17,14 +17,15 @@
 
 #include "engine/data_loader.h"
 #include "engine/packed_format.h"
+#include "engine/regular_file.h"
 
-// One packed directory, mapped and checked: every shard's header, size, and labels.
+// One packed directory, mapped and checked: classes.txt, and every shard's header, size and
+// labels (engine/packed_format.h); only regular files are opened.
 class PackedSet {
  public:
   // Throws RuntimeError naming the file and the problem (missing, truncated, corrupted,
   // inconsistent with the other shards or with classes.txt).
   explicit PackedSet(const std::string& dir);
-  ~PackedSet();
   PackedSet(const PackedSet&) = delete;
   PackedSet& operator=(const PackedSet&) = delete;
 
@@ -38,8 +39,7 @@ class PackedSet {
 
  private:
   struct Shard {
-    void* map = nullptr;
-    size_t bytes = 0;
+    MappedFile file;
     int first = 0, count = 0;
     const int32_t* labels = nullptr;
     const uint8_t* pixels = nullptr;

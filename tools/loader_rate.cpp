@@ -28,8 +28,13 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--dir") { dir = argv[i + 1]; continue; }
-    const int v = std::atoi(argv[i + 1]);
-    if (v <= 0) { std::fprintf(stderr, "loader_rate: %s must be positive\n", a.c_str()); return 2; }
+    char* end = nullptr;
+    const long parsed = std::strtol(argv[i + 1], &end, 10);
+    if (*end || parsed <= 0 || parsed > (1 << 30)) {
+      std::fprintf(stderr, "loader_rate: %s must be an integer from 1 to 2^30\n", a.c_str());
+      return 2;
+    }
+    const int v = static_cast<int>(parsed);
     if (a == "--images") images = v; else if (a == "--size") size = v; else if (a == "--img") img = v;
     else if (a == "--batch") batch = v; else if (a == "--threads") threads = v; else if (a == "--batches") batches = v;
     else { std::fprintf(stderr, "loader_rate: unknown option %s\n", a.c_str()); return 2; }
