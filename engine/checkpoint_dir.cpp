@@ -14,15 +14,21 @@ namespace fs = std::filesystem;
 
 bool is_checkpoint_dir(const std::string& path) {
   const fs::path p(path);
-  return fs::is_directory(p) && fs::exists(p / "model.safetensors") && fs::exists(p / "state.safetensors");
+  std::error_code ec;
+  return fs::is_directory(p, ec) && fs::is_regular_file(p / "model.safetensors", ec) &&
+         fs::is_regular_file(p / "state.safetensors", ec);
 }
 
 long long checkpoint_step(const std::string& path) {
   const std::string n = fs::path(path).filename().string();
   if (n.rfind(kCheckpointPrefix, 0) != 0 || n.size() == std::strlen(kCheckpointPrefix)) return -1;
-  for (size_t i = std::strlen(kCheckpointPrefix); i < n.size(); ++i)
+  long long step = 0;
+  for (size_t i = std::strlen(kCheckpointPrefix); i < n.size(); ++i) {
     if (n[i] < '0' || n[i] > '9') return -1;
-  return std::stoll(n.substr(std::strlen(kCheckpointPrefix)));
+    step = step * 10 + (n[i] - '0');
+    if (step > kMaxCheckpointStep) return -1;  // no save of this engine: another program's name
+  }
+  return step;
 }
 
 std::vector<std::string> checkpoints_in(const std::string& dir) {

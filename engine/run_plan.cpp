@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
+#include "engine/checkpoint_dir.h"
 #include "kernels/check.h"
 #include "model/vit.h"
 
@@ -15,7 +17,7 @@ void check_appendable(const std::string& path, const std::string& flag) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (fs::exists(path, ec)) {
-    if (fs::is_directory(path, ec)) throw RuntimeError(flag + " " + path + ": a directory, not a file");
+    if (!fs::is_regular_file(path, ec)) throw RuntimeError(flag + " " + path + ": not a regular file");
     if (::access(path.c_str(), W_OK) != 0) throw RuntimeError(flag + " " + path + ": " + std::strerror(errno));
     return;
   }
@@ -79,6 +81,12 @@ RunPlan plan_run(const TrainOptions& opts, const ProcessGroup& group) {
 
   if (!o.resume.empty()) {
     auto initial = std::make_shared<InitialState>(read_checkpoint(latest_checkpoint(o.resume), o, p.world));
+    if (p.logs() && !initial->differences.empty()) {
+      std::string list;
+      for (const std::string& d : initial->differences) list += (list.empty() ? "" : "; ") + d;
+      std::fprintf(stderr, "vit_train: note: this run differs from the checkpoint's (%s): the loss sequence will "
+                   "differ from the uninterrupted run's\n", list.c_str());
+    }
     if (initial->state.step >= o.steps)
       throw UsageError("--resume " + initial->source + ": the checkpoint is at step " +
                        std::to_string(initial->state.step) + " and this run ends at step " + std::to_string(o.steps) +

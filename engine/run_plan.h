@@ -8,7 +8,7 @@
 #include <string>
 
 #include "comm/rendezvous.h"
-#include "engine/checkpoint.h"
+#include "engine/checkpoint_format.h"
 #include "engine/cli.h"
 #include "engine/dataset.h"
 #include "engine/packed_loader.h"

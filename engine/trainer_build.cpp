@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 
+#include "engine/checkpoint.h"
 #include "engine/trainer.h"
 #include "kernels/attention.h"
 #include "kernels/check.h"
