@@ -27,21 +27,24 @@ TEST_SRC := $(wildcard tests/*.cpp tests/reference/*.cpp)
 LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all test bench profile clean build-deps test-deps
+.PHONY: all test fuzz bench profile clean build-deps test-deps fuzz-deps
 all: vit_train gemm_rate loader_rate attention_rate attention_trace tma_rate memory_rate launch_gap
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
-vit_tests: $(LIB_OBJ) $(TEST_OBJ)
-	$(NVCC) -o $@ $^ $(LDFLAGS)
+# The tests also decode images (tools/image_decode.cpp): libturbojpeg and libpng linked statically,
+# as in pack_images, so that the binary runs where only it is copied.
+IMAGE_LIBS = $(shell $(CXX) -print-file-name=libturbojpeg.a) $(shell $(CXX) -print-file-name=libpng16.a)
+vit_tests: $(LIB_OBJ) $(TEST_OBJ) $(BUILD)/tools/image_decode.o
+	$(NVCC) -o $@ $^ $(IMAGE_LIBS) $(LDFLAGS) -lm
 
 # The dataset packer (CPU only; libturbojpeg and libpng: Debian libturbojpeg0-dev libpng-dev).
 # Linked statically against them, so that it also runs where only the binary is copied.
-pack_images: $(BUILD)/tools/pack_images.o
+pack_images: $(BUILD)/tools/pack_images.o $(BUILD)/tools/image_decode.o $(BUILD)/engine/regular_file.o
 	$(CXX) -o $@ $^ -Wl,-Bstatic -lturbojpeg -lpng -lz -Wl,-Bdynamic -lm -lpthread
 
-$(BUILD)/tools/pack_images.o: tools/pack_images.cpp | test-deps
+$(BUILD)/tools/pack_images.o $(BUILD)/tools/image_decode.o: | test-deps
 
 # The packed data path's images/s on one GPU, augmentation included.
 loader_rate: $(LIB_OBJ) $(BUILD)/tools/loader_rate.o
@@ -110,6 +113,45 @@ test: test-deps vit_train vit_tests pack_images $(BUILD)/stub/kernels/cudnn_atte
 $(BUILD)/stub/kernels/cudnn_attention.o: kernels/cudnn_attention.cpp
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) -DVIT_WITHOUT_CUDNN -c $< -o $@
+
+# Fuzz targets (tests/fuzz/): every reader of untrusted files (safetensors, checkpoint state,
+# IDX, packed shards, pack_images' decoding) under libFuzzer with ASan and UBSan, built by
+# Debian's clang, and their seed corpora (build/fuzz/seeds/TARGET/). tests/fuzz/run.sh runs them.
+FUZZ_CXX   ?= clang++
+FUZZ_SAN   := -fsanitize=address,undefined -fno-sanitize-recover=all
+FUZZ_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer $(FUZZ_SAN) -fsanitize=fuzzer-no-link $(INCLUDES) -MMD -MP
+FUZZ_TARGETS := safetensors checkpoint_state idx packed_shard image_decode
+FUZZ_BIN := $(FUZZ_TARGETS:%=$(BUILD)/fuzz/fuzz_%)
+FUZZ_LIBS := -lturbojpeg -lpng -lz -lpthread
+FUZZ_SRC_safetensors      := engine/safetensors.cpp engine/regular_file.cpp
+FUZZ_SRC_checkpoint_state := engine/checkpoint_format.cpp engine/safetensors.cpp engine/regular_file.cpp \
+                             engine/cli.cpp engine/checkpoint_dir.cpp engine/dataset.cpp model/params.cpp \
+                             model/config.cpp
+FUZZ_SRC_idx              := engine/dataset.cpp engine/regular_file.cpp
+FUZZ_SRC_packed_shard     := engine/packed_format.cpp
+FUZZ_SRC_image_decode     := tools/image_decode.cpp
+FUZZ_SEED_SRC := $(FUZZ_SRC_checkpoint_state) engine/packed_format.cpp tools/image_decode.cpp
+fuzz_objects = $(patsubst %.cpp,$(BUILD)/fuzz/obj/%.o,$(1))
+
+fuzz: fuzz-deps $(FUZZ_BIN) $(BUILD)/fuzz/seeds/.made
+
+.PRECIOUS: $(BUILD)/fuzz/obj/%.o
+$(BUILD)/fuzz/obj/%.o: %.cpp | fuzz-deps
+	@mkdir -p $(dir $@)
+	$(FUZZ_CXX) $(FUZZ_FLAGS) -c $< -o $@
+
+.SECONDEXPANSION:
+$(BUILD)/fuzz/fuzz_%: $(BUILD)/fuzz/obj/tests/fuzz/fuzz_%.o $$(call fuzz_objects,$$(FUZZ_SRC_$$*))
+	$(FUZZ_CXX) $(FUZZ_SAN) -fsanitize=fuzzer -o $@ $^ $(FUZZ_LIBS)
+
+$(BUILD)/fuzz/make_seeds: $(BUILD)/fuzz/obj/tests/fuzz/make_seeds.o $(call fuzz_objects,$(FUZZ_SEED_SRC))
+	$(FUZZ_CXX) $(FUZZ_SAN) -o $@ $^ $(FUZZ_LIBS)
+
+$(BUILD)/fuzz/seeds/.made: $(BUILD)/fuzz/make_seeds
+	$(BUILD)/fuzz/make_seeds $(BUILD)/fuzz/seeds && touch $@
+
+fuzz-deps:
+	@tools/ensure_deps.sh fuzz
 
 # The speed round on a GPU machine: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh),
 # and cuBLASLt's rate at the block's GEMM shapes.

@@ -1,23 +1,23 @@
 // pack_images: an ImageFolder tree (one folder per class, JPEG or PNG files) into the packed
 // format of engine/packed_format.h: every image decoded, its shorter side resized to SIZE
 // (antialiased: a triangle filter as wide as the downscale), centre-cropped to SIZE x SIZE, RGB.
-// Unreadable images are skipped, counted and listed, never fatal. Shards are written whole or
-// not at all (temporary file, fsync, rename); an existing packed directory is not overwritten.
+// Unreadable images are skipped, counted and listed, never fatal; so are images above the
+// decoder's limits (tools/image_decode.h), refused from their header before any pixel memory is
+// taken, and the threads together hold at most kDecodeBudget bytes of decoded images. Shards are
+// written whole or not at all (temporary file, fsync, rename); an existing packed directory is
+// not overwritten.
 //
 // Usage: pack_images SRC_DIR OUT_DIR [--size 256] [--shard-images 1024] [--threads N]
 #include <fcntl.h>
-#include <png.h>
-#include <turbojpeg.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -25,14 +25,18 @@
 #include <vector>
 
 #include "engine/packed_format.h"
+#include "engine/regular_file.h"
+#include "tools/image_decode.h"
 
 namespace fs = std::filesystem;
 
 namespace {
-struct Image {
-  int w = 0, h = 0;
-  std::vector<uint8_t> rgb;  // h x w x 3
-};
+// An image file larger than this is not read (the largest image the limits allow, compressed,
+// is far smaller).
+constexpr size_t kMaxImageFileBytes = size_t(256) << 20;
+// The decoded images (and their resize buffers) all threads hold at once; one image larger
+// than this is decoded alone.
+constexpr size_t kDecodeBudget = size_t(4) << 30;
 
 std::string lower(std::string s) {
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -43,120 +47,44 @@ bool is_image_file(const fs::path& p) {
   return e == ".jpg" || e == ".jpeg" || e == ".png";
 }
 
-std::vector<uint8_t> read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary | std::ios::ate);
-  if (!in) throw std::runtime_error("cannot open");
-  const std::streamoff n = in.tellg();
-  in.seekg(0);
-  std::vector<uint8_t> b(static_cast<size_t>(n));
-  if (n > 0 && !in.read(reinterpret_cast<char*>(b.data()), n)) throw std::runtime_error("cannot read");
-  return b;
-}
-
-// JPEG (by its magic bytes) through libturbojpeg, anything else through libpng's simplified API.
-Image decode(const std::vector<uint8_t>& b) {
-  Image img;
-  if (b.size() >= 3 && b[0] == 0xFF && b[1] == 0xD8 && b[2] == 0xFF) {
-    tjhandle tj = tjInitDecompress();
-    if (!tj) throw std::runtime_error("libturbojpeg cannot start");
-    int w, h, sub, cs;
-    if (tjDecompressHeader3(tj, b.data(), b.size(), &w, &h, &sub, &cs) != 0 || w <= 0 || h <= 0) {
-      const std::string e = tjGetErrorStr2(tj);
-      tjDestroy(tj);
-      throw std::runtime_error("not a readable JPEG (" + e + ")");
-    }
-    img.w = w;
-    img.h = h;
-    img.rgb.resize(size_t(w) * h * 3);
-    const bool cmyk = cs == TJCS_CMYK || cs == TJCS_YCCK;  // libturbojpeg decodes these to CMYK only
-    std::vector<uint8_t> ink(cmyk ? size_t(w) * h * 4 : 0);
-    const int r = cmyk ? tjDecompress2(tj, b.data(), b.size(), ink.data(), w, 0, h, TJPF_CMYK, TJFLAG_ACCURATEDCT)
-                       : tjDecompress2(tj, b.data(), b.size(), img.rgb.data(), w, 0, h, TJPF_RGB, TJFLAG_ACCURATEDCT);
-    const bool fatal = r != 0 && tjGetErrorCode(tj) == TJERR_FATAL;
-    const std::string e = tjGetErrorStr2(tj);
-    tjDestroy(tj);
-    if (fatal) throw std::runtime_error("corrupted JPEG (" + e + ")");
-    // CMYK JPEGs come from Adobe software, which stores the inks inverted (255: no ink); RGB as
-    // PIL converts it: R = 255 - min(255, C + K) with C = 255 - stored c.
-    for (size_t i = 0; cmyk && i < size_t(w) * h; ++i) {
-      const int k = ink[4 * i + 3];
-      for (int c = 0; c < 3; ++c) img.rgb[3 * i + c] = uint8_t(std::max(0, ink[4 * i + c] + k - 255));
-    }
-    return img;
+// Bytes in flight across the decoding threads: a thread waits until its image fits beside the
+// others (or runs alone).
+class MemoryBudget {
+ public:
+  explicit MemoryBudget(size_t bytes) : limit_(bytes) {}
+  void acquire(size_t bytes) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    freed_.wait(lock, [&] { return used_ == 0 || used_ + bytes <= limit_; });
+    used_ += bytes;
   }
-  png_image p;
-  std::memset(&p, 0, sizeof p);
-  p.version = PNG_IMAGE_VERSION;
-  if (!png_image_begin_read_from_memory(&p, b.data(), b.size()))
-    throw std::runtime_error(std::string("neither JPEG nor a readable PNG (") + p.message + ")");
-  p.format = PNG_FORMAT_RGB;
-  img.w = static_cast<int>(p.width);
-  img.h = static_cast<int>(p.height);
-  img.rgb.resize(PNG_IMAGE_SIZE(p));
-  if (!png_image_finish_read(&p, nullptr, img.rgb.data(), 0, nullptr)) {
-    const std::string e = p.message;
-    png_image_free(&p);
-    throw std::runtime_error("corrupted PNG (" + e + ")");
+  void release(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      used_ -= bytes;
+    }
+    freed_.notify_all();
   }
-  return img;
-}
 
-// Weights of a 1-D resample of n source samples to `out` samples starting at output offset
-// `off` of a full resize to `full` samples: a triangle filter as wide as the scale when
-// shrinking (antialiasing, like PIL's bilinear), plain linear interpolation when growing.
-struct Taps {
-  std::vector<int> first;
-  std::vector<std::vector<float>> w;
+ private:
+  std::mutex mutex_;
+  std::condition_variable freed_;
+  size_t limit_, used_ = 0;
 };
-Taps taps(int n, int full, int off, int out) {
-  Taps t;
-  const double scale = double(n) / full, support = std::max(1.0, scale);
-  for (int x = 0; x < out; ++x) {
-    const double center = (x + off + 0.5) * scale;
-    const int lo = std::max(0, int(std::floor(center - support))), hi = std::min(n - 1, int(std::ceil(center + support)));
-    std::vector<float> w;
-    double sum = 0;
-    for (int i = lo; i <= hi; ++i) {
-      const double v = std::max(0.0, 1.0 - std::abs((i + 0.5 - center) / support));
-      w.push_back(float(v));
-      sum += v;
-    }
-    if (sum <= 0) {  // a tap-less edge: the nearest sample
-      w.assign(1, 1.0f);
-      t.first.push_back(std::min(n - 1, std::max(0, int(center))));
-    } else {
-      for (float& v : w) v = float(v / sum);
-      t.first.push_back(lo);
-    }
-    t.w.push_back(std::move(w));
-  }
-  return t;
-}
 
-// Shorter side to size, then the centred size x size square.
-std::vector<uint8_t> resize_crop(const Image& img, int size) {
-  const bool wide = img.w >= img.h;
-  const int full_w = wide ? int(std::lround(double(img.w) * size / img.h)) : size;
-  const int full_h = wide ? size : int(std::lround(double(img.h) * size / img.w));
-  const Taps tx = taps(img.w, std::max(full_w, size), (std::max(full_w, size) - size) / 2, size);
-  const Taps ty = taps(img.h, std::max(full_h, size), (std::max(full_h, size) - size) / 2, size);
-  std::vector<float> rows(size_t(img.h) * size * 3);  // horizontal pass
-  for (int y = 0; y < img.h; ++y)
-    for (int x = 0; x < size; ++x)
-      for (int c = 0; c < 3; ++c) {
-        float s = 0;
-        for (size_t k = 0; k < tx.w[x].size(); ++k) s += tx.w[x][k] * img.rgb[(size_t(y) * img.w + tx.first[x] + k) * 3 + c];
-        rows[(size_t(y) * size + x) * 3 + c] = s;
-      }
-  std::vector<uint8_t> out(size_t(size) * size * 3);
-  for (int y = 0; y < size; ++y)
-    for (int x = 0; x < size; ++x)
-      for (int c = 0; c < 3; ++c) {
-        float s = 0;
-        for (size_t k = 0; k < ty.w[y].size(); ++k) s += ty.w[y][k] * rows[((ty.first[y] + k) * size + x) * 3 + c];
-        out[(size_t(y) * size + x) * 3 + c] = uint8_t(std::min(255.0f, std::max(0.0f, std::round(s))));
-      }
-  return out;
+// One image file decoded, resized and cropped, within the budget.
+std::vector<uint8_t> pack_one(const fs::path& path, int size, MemoryBudget& budget) {
+  const MappedFile file(path.string(), kMaxImageFileBytes);
+  const ImageInfo info = probe_image(file.data(), file.size(), kImageLimits);
+  const size_t bytes = decode_peak_bytes(info, size);
+  budget.acquire(bytes);
+  try {
+    std::vector<uint8_t> out = resize_crop(decode_image(file.data(), file.size(), info), size);
+    budget.release(bytes);
+    return out;
+  } catch (...) {
+    budget.release(bytes);
+    throw;
+  }
 }
 
 void write_whole(const fs::path& path, const std::vector<std::pair<const void*, size_t>>& pieces) {
@@ -199,10 +127,15 @@ void print_help() {
               "every image decoded, its shorter side resized to SIZE, centre-cropped to SIZE x SIZE, RGB,\n"
               "written to OUT_DIR (new or empty) as shards with a classes.txt. Unreadable images are\n"
               "skipped and listed. Pack DIR/train and DIR/val for training with evaluation.\n"
-              "  --size N          the square images' side (default 256)\n"
+              "  --size N          the square images' side, 2 to %u (default 256)\n"
               "  --shard-images N  images per shard file (default 1024)\n"
-              "  --threads N       decoding threads (default: every core)\n",
-              kUsage);
+              "  --threads N       decoding threads (default: every core)\n"
+              "Images are untrusted input. A file above %zu MiB, or an image with a side above %d\n"
+              "pixels or more than %llu pixels in all, is skipped (and listed) before its pixels\n"
+              "are decoded; a truncated JPEG is skipped too. The threads hold at most %zu GiB of\n"
+              "decoded images at once.\n",
+              kUsage, kMaxPackedSide, kMaxImageFileBytes >> 20, kImageLimits.max_side,
+              static_cast<unsigned long long>(kImageLimits.max_pixels), kDecodeBudget >> 30);
 }
 int int_arg(const std::string& flag, const char* v, int lo, int hi) {
   char* end = nullptr;
@@ -224,7 +157,7 @@ int main(int argc, char** argv) {
     if (a == "--size" || a == "--shard-images" || a == "--threads") {
       if (i + 1 >= argc) usage(a + " needs a value");
       const char* v = argv[++i];
-      if (a == "--size") size = int_arg(a, v, 2, 4096);
+      if (a == "--size") size = int_arg(a, v, 2, int(kMaxPackedSide));
       else if (a == "--shard-images") shard_images = int_arg(a, v, 1, 1 << 20);
       else threads = int_arg(a, v, 1, 1024);
     } else if (a.rfind("--", 0) == 0) {
@@ -259,6 +192,7 @@ int main(int argc, char** argv) {
                 classes.size(), src.c_str(), out.c_str(), size, size, shard_images, threads);
     std::vector<std::string> skipped;
     std::mutex skipped_mutex;
+    MemoryBudget budget(kDecodeBudget);
     size_t written = 0;
     int shard = 0;
     for (size_t first = 0; first < files.size(); first += size_t(shard_images)) {
@@ -270,7 +204,7 @@ int main(int argc, char** argv) {
         for (size_t i; (i = next++) < n;) {
           const fs::path& p = files[first + i].first;
           try {
-            pixels[i] = resize_crop(decode(read_file(p)), size);
+            pixels[i] = pack_one(p, size, budget);
             ok[i] = 1;
           } catch (const std::exception& e) {
             std::lock_guard<std::mutex> lock(skipped_mutex);
