@@ -441,8 +441,102 @@ TEST_CASE("gpu: SGD with momentum, torch.optim.SGD semantics, two steps") {
   }
 }
 
+TEST_CASE("gpu: AdamW, torch.optim.AdamW semantics with timm's decay groups, three steps; a skip counts none") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const size_t n = 128 * 37;  // 37 chunks of the flags' 128 elements, about half of them decayed
+  const AdamWHyper h{0.9, 0.999, 1e-8, 0.05};
+  std::vector<uint8_t> flags(n / 128);
+  for (uint8_t& f : flags) f = rng() % 2;
+  std::vector<bool> decay(n);
+  for (size_t i = 0; i < n; ++i) decay[i] = flags[i / 128] != 0;
+  const DeviceBuffer<uint8_t> dflags(flags);
+  auto p = round_f32(random_vec(rng, n));
+  std::vector<double> m, v;
+  DeviceBuffer<float> dp(to_f32(p)), dm(std::vector<float>(n, 0.0f)), dv(std::vector<float>(n, 0.0f)), dg(n);
+  DeviceBuffer<bf16> dpb(n);
+  DeviceBuffer<AdamWScalars> scalars(std::vector<AdamWScalars>{{0, 0.0f, 1.0f, 1.0f}});
+  DeviceBuffer<int> skip(std::vector<int>{0});
+  int t = 0;
+  for (int step = 0; step < 4; ++step) {
+    const bool skipped = step == 2;  // FP8's guard: nothing changes, the step is not counted
+    skip.upload(std::vector<int>{skipped ? 1 : 0});
+    const auto g = round_f32(random_vec(rng, n, -2.0, 2.0));
+    dg.upload(to_f32(g));
+    const double lr = 0.01 * (step + 1);
+    adamw_begin_step(scalars.get(), lr, h, skip.get(), 0);
+    // Two launches over halves of the range, as the parts of an update run.
+    adamw_step(dp.get(), dm.get(), dv.get(), dg.get(), dpb.get(), n / 2, DecayFlags{dflags.get(), 7, 0}, h,
+               scalars.get(), 0, skip.get());
+    adamw_step(dp.get() + n / 2, dm.get() + n / 2, dv.get() + n / 2, dg.get() + n / 2, dpb.get() + n / 2, n / 2,
+               DecayFlags{dflags.get(), 7, n / 2}, h, scalars.get(), 0, skip.get());
+    if (!skipped) ref::adamw_step(p, m, v, g, lr, 0.9, 0.999, 1e-8, 0.05, decay, ++t);
+  }
+  CHECK(scalars.download()[0].steps == 3);
+  CHECK(rel_error(to_f64(dp.download()), p) < 1e-6);
+  CHECK(rel_error(to_f64(dm.download()), m) < 1e-6);
+  CHECK(rel_error(to_f64(dv.download()), v) < 1e-6);
+  CHECK(rel_error(to_f64(dpb.download()), p) < kBf16OutTol);
+  {  // clipping: the gradient scaled by max_norm / (norm + 1e-6) before the step, when above
+    const auto g = round_f32(random_vec(rng, n));
+    double norm = 0;
+    for (double x : g) norm += x * x;
+    norm = std::sqrt(norm);
+    AdamWHyper hc = h;
+    hc.max_grad_norm = static_cast<float>(norm / 4);
+    std::vector<double> clipped(g);
+    for (double& x : clipped) x *= hc.max_grad_norm / (norm + 1e-6);
+    DeviceBuffer<float> dnorm(std::vector<float>{static_cast<float>(norm)});
+    dg.upload(to_f32(g));
+    adamw_begin_step(scalars.get(), 0.01, hc, nullptr, 0);
+    adamw_step(dp.get(), dm.get(), dv.get(), dg.get(), dpb.get(), n, DecayFlags{dflags.get(), 7, 0}, hc, scalars.get(),
+               0, nullptr, dnorm.get());
+    ref::adamw_step(p, m, v, clipped, 0.01, 0.9, 0.999, 1e-8, 0.05, decay, ++t);
+    CHECK(rel_error(to_f64(dp.download()), p) < 1e-6);
+  }
+}
+
+TEST_CASE("gpu: the sharded AdamW step gives the replicated step's bits") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const size_t n = 4 * 1234, stride = n + 64;
+  const int peers = 2;
+  const AdamWHyper h{0.9, 0.95, 1e-6, 0.1};
+  std::vector<uint8_t> flags((n + 127) / 128 + 1);
+  for (uint8_t& f : flags) f = rng() % 2;
+  const DeviceBuffer<uint8_t> dflags(flags);
+  const auto p = to_f32(round_f32(random_vec(rng, n))), m = to_f32(round_f32(random_vec(rng, n)));
+  auto v = to_f32(round_f32(random_vec(rng, n)));
+  for (float& x : v) x = x * x;
+  const auto g = to_f32(round_f32(random_vec(rng, n))), received = to_f32(round_f32(random_vec(rng, stride * peers)));
+  DeviceBuffer<AdamWScalars> scalars(std::vector<AdamWScalars>{{41, 0.0f, 1.0f, 1.0f}});
+  adamw_begin_step(scalars.get(), 0.003, h, nullptr, 0);
+  const DecayFlags decay{dflags.get(), 7, 64};  // a share starting 64 elements into its chunk
+  // Replicated: the sum first (sum_into), then the step.
+  DeviceBuffer<float> rp(p), rm(m), rv(v), rg(g), rrecv(received);
+  DeviceBuffer<bf16> rpb(n);
+  sum_into(rg.get(), rrecv.get(), stride, peers, n, 0);
+  adamw_step(rp.get(), rm.get(), rv.get(), rg.get(), rpb.get(), n, decay, h, scalars.get(), 0);
+  // Sharded: the sum inside the step.
+  DeviceBuffer<float> sp(p), sm(m), sv(v), sg(g), srecv(received);
+  DeviceBuffer<bf16> spb(n);
+  adamw_shard(sp.get(), sm.get(), sv.get(), sg.get(), srecv.get(), stride, peers, spb.get(), n, decay, h,
+              scalars.get(), 0);
+  CHECK(sp.download() == rp.download());
+  CHECK(sm.download() == rm.download());
+  CHECK(sv.download() == rv.download());
+  const auto want = rpb.download(), got = spb.download();
+  CHECK(std::memcmp(got.data(), want.data(), n * sizeof(bf16)) == 0);
+  CHECK(scalars.download()[0].steps == 42);
+  // The FP8 guard's skip: nothing changes.
+  DeviceBuffer<int> skip(std::vector<int>{1});
+  adamw_shard(sp.get(), sm.get(), sv.get(), sg.get(), srecv.get(), stride, peers, spb.get(), n, decay, h,
+              scalars.get(), 0, skip.get());
+  CHECK(sp.download() == rp.download());
+}
+
 TEST_CASE("preload: the kernels first launched after start-up are registered") {
-  CHECK(late_kernels_registered() == 18);  // optimizer 2, reduce 5, fp8 scaling 5, data 3, elementwise 3
+  CHECK(late_kernels_registered() == 20);  // optimizer 4, reduce 5, fp8 scaling 5, data 3, elementwise 3
 }
 
 TEST_CASE("gpu: the kernels first launched after start-up load at start-up") {

@@ -438,6 +438,21 @@ TEST_CASE("reference: patchify layout and unpatchify adjoint") {
   CHECK(ref::unpatchify(cfg, B, ref::patchify(cfg, B, x)) == x);  // a permutation: exact
 }
 
+TEST_CASE("reference: adamw_step against hand-computed values") {
+  // Step 1: m = 0.1 g, v = 0.001 g^2, so m / bc1 = g and sqrt(v / bc2) = |g|: p -= lr g / (|g| + eps).
+  ref::Vec p = {1.0, -2.0}, m, v;
+  ref::adamw_step(p, m, v, {0.5, -0.25}, 0.1, 0.9, 0.999, 1e-8, 0.5, {true, false}, 1);
+  CHECK(p[0] == doctest::Approx(1.0 * (1 - 0.05) - 0.1 * 0.5 / (0.5 + 1e-8)).epsilon(1e-14));
+  CHECK(p[1] == doctest::Approx(-2.0 + 0.1 * 0.25 / (0.25 + 1e-8)).epsilon(1e-14));  // not decayed
+  CHECK(m[0] == doctest::Approx(0.05).epsilon(1e-14));
+  CHECK(v[1] == doctest::Approx(0.001 * 0.0625).epsilon(1e-14));
+  // Step 2 with gradient 0: m halves towards 0 by beta1, the update m / bc1 / (sqrt(v / bc2) + eps).
+  const double m2 = 0.9 * 0.05, v2 = 0.999 * 0.001 * 0.25, bc1 = 1 - 0.81, bc2 = 1 - 0.999 * 0.999;
+  const double p0 = p[0];
+  ref::adamw_step(p, m, v, {0.0, 0.0}, 0.1, 0.9, 0.999, 1e-8, 0.5, {true, false}, 2);
+  CHECK(p[0] == doctest::Approx(p0 * 0.95 - 0.1 / bc1 * m2 / (std::sqrt(v2) / std::sqrt(bc2) + 1e-8)).epsilon(1e-13));
+}
+
 TEST_CASE("reference: sgd_step two steps against hand-computed values") {
   // lr 0.1, momentum 0.9, p0 = (1, -2), g1 = (0.5, 0.25), g2 = (-1, 2).
   struct Case {

@@ -347,6 +347,19 @@ void sgd_step(Vec& p, Vec& buf, const Vec& g, double lr, double momentum, double
   }
 }
 
+void adamw_step(Vec& p, Vec& m, Vec& v, const Vec& g, double lr, double beta1, double beta2, double eps, double wd,
+                const std::vector<bool>& decay, int t) {
+  if (m.size() != p.size()) m.assign(p.size(), 0.0);
+  if (v.size() != p.size()) v.assign(p.size(), 0.0);
+  const double bc1 = 1 - std::pow(beta1, t), bc2 = 1 - std::pow(beta2, t);
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (decay[i]) p[i] *= 1 - lr * wd;
+    m[i] = beta1 * m[i] + (1 - beta1) * g[i];
+    v[i] = beta2 * v[i] + (1 - beta2) * g[i] * g[i];
+    p[i] -= lr / bc1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + eps);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The whole model.
 

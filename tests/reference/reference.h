@@ -51,6 +51,9 @@ double softmax_xent(int B, int C, const Vec& logits, const std::vector<int>& lab
 // else buf = momentum * buf + g'; step = nesterov ? g' + momentum * buf : buf; p -= lr * step.
 void sgd_step(Vec& p, Vec& buf, const Vec& g, double lr, double momentum, double wd, bool nesterov,
               bool first_step);
+// torch.optim.AdamW's step t (from 1) in float64: decoupled decay where decay[i], bias correction.
+void adamw_step(Vec& p, Vec& m, Vec& v, const Vec& g, double lr, double beta1, double beta2, double eps, double wd,
+                const std::vector<bool>& decay, int t);
 
 // The whole model, timm's VisionTransformer: params in ParamLayout's flat layout (padding
 // ignored), images [B, C, H, W], labels in [0, classes).
