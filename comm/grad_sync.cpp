@@ -42,8 +42,8 @@ GradSync::GradSync(Comm& comm, float* grads, size_t count, size_t bucket_floats,
   ENSURE(count > 0 && bucket_floats > 0 && (dtype == ReduceDType::F32 || staging), "GradSync: no gradient, empty buckets or no staging");
   ENSURE(!peers || (dtype == ReduceDType::F32 && !window && peers->ranks() == comm.world()),
          "GradSync: the copy-engine exchange sums fp32 gradients of every rank, outside NCCL's window");
-  ENSURE(!shard || (peers && shard->grads == grads && shard->params && shard->momentum && shard->params_bf16 &&
-                    comm.world() <= kMaxPeerCopies + 1),
+  ENSURE(!shard || (peers && shard->grads == grads && shard->params && !shard->optimizer_state.empty() &&
+                    shard->params_bf16 && comm.world() <= kMaxPeerCopies + 1),
          "GradSync: a sharded optimizer needs the copy-engine exchange, the whole state and at most 9 ranks (8 peers)");
   if (window) {
     window_ = dtype == ReduceDType::F32 ? comm.register_window(grads, count * sizeof(float), &window_failure_)
@@ -315,8 +315,9 @@ void GradSync::gather_state() {
       const PeerGroup::Member& peer = peers_->member(p);
       CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.params + begin, peer.device, own.params + begin, self_->device,
                                      n * sizeof(float), push_stream_));
-      CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.momentum + begin, peer.device, own.momentum + begin, self_->device,
-                                     n * sizeof(float), push_stream_));
+      for (size_t k = 0; k < own.optimizer_state.size(); ++k)
+        CUDA_CHECK(cudaMemcpyPeerAsync(peer.state.optimizer_state[k] + begin, peer.device,
+                                       own.optimizer_state[k] + begin, self_->device, n * sizeof(float), push_stream_));
     }
   }
   CUDA_CHECK(cudaEventRecord(self_->events[PeerGroup::kShared][0], push_stream_));

@@ -72,15 +72,15 @@ class GradSync {
   void send_weights(const Share& share);
   // After every share: the fp32 weights the kernels read directly copied from this rank's shares
   // to every peer; then the compute stream waits for every peer's update, so the next forward
-  // reads whole weights. The fp32 weights and momentum outside this rank's shares go stale until
-  // gather_state().
+  // reads whole weights. The fp32 weights and optimizer state outside this rank's shares go stale
+  // until gather_state().
   void finish_update();
   // Sharded, before the first update: the [offset, offset + count) ranges of the fp32 weights
   // the model's kernels read directly (ViT::freeze_fp32_reads); finish_update() copies this
   // rank's shares of them into every peer's fp32 weights.
   void set_fp32_read_ranges(const std::vector<std::pair<size_t, size_t>>& ranges);
-  // Sharded: copies this rank's shares of the fp32 weights and momentum to every peer and makes
-  // the compute stream wait for the peers' copies, so that every rank holds the whole state (for
+  // Sharded: copies this rank's shares of the fp32 weights and optimizer state to every peer and
+  // makes the compute stream wait for the peers' copies, so that every rank holds the whole state (for
   // a checksum or a checkpoint). Every rank calls it; without sharding, or with no step since
   // the last call, it does nothing.
   void gather_state();

@@ -29,13 +29,13 @@ class PeerGroup {
   // Events each rank records, per bucket: its pushes of that bucket done; its sums of its shares
   // pushed back to every peer. With the optimizer sharded (bucket 0's event only): its shares
   // updated and their bf16 weights written into every peer's copy; its shares' fp32 weights and
-  // momentum copied to every peer (gather_state).
+  // optimizer state copied to every peer (gather_state).
   enum Stage { kPushed = 0, kGathered = 1, kUpdated = 2, kShared = 3, kStages = 4 };
   // The rank's training state, whole (its model's buffers).
   struct State {
     float* grads = nullptr;
     float* params = nullptr;
-    float* momentum = nullptr;
+    std::vector<float*> optimizer_state;  // buffers as long as params
     __nv_bfloat16* params_bf16 = nullptr;
   };
   // A rank's side, allocated on its device by join() and owned here: freed only once every worker

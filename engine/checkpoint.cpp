@@ -63,7 +63,9 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
     const ParamLayout& layout = model.layout();
     InitialState contents;
     contents.params = to_host(model.params(), layout.total(), stream);
-    contents.momentum = to_host(training.optimizer().momentum(), layout.total(), stream);
+    for (const Optimizer::StateBuffer& b : training.optimizer().state())
+      contents.optimizer_state.emplace_back(b.name, to_host(b.data, layout.total(), stream));
+    contents.optimizer_steps = training.optimizer().steps(stream);
     if (fp8) {
       const std::vector<Fp8Meta> metas = to_host(fp8->metas(), fp8->count(), stream);
       const std::vector<int> counters = to_host(fp8->skip_counters(), 2, stream);
@@ -106,13 +108,17 @@ void upload(const InitialState& initial, TrainingStep& training, cudaStream_t st
   training.await_update(stream);  // an optimizer step still running on the second stream
   ViT& model = training.model();
   const size_t n = model.layout().total();
-  ENSURE(initial.params.size() == n && (initial.momentum.empty() || initial.momentum.size() == n),
-         "upload: the initial state was read for another layout");
+  ENSURE(initial.params.size() == n, "upload: the initial state was read for another layout");
   copy_to_device(model.params(), initial.params, stream);
-  if (initial.momentum.empty())
-    CUDA_CHECK(cudaMemsetAsync(training.optimizer().momentum(), 0, n * sizeof(float), stream));
-  else
-    copy_to_device(training.optimizer().momentum(), initial.momentum, stream);
+  Optimizer& optimizer = training.optimizer();
+  optimizer.reset(stream);  // zero where the state has none (a timm file)
+  for (const Optimizer::StateBuffer& b : optimizer.state())
+    for (const auto& [name, buffer] : initial.optimizer_state)
+      if (name == b.name) {
+        ENSURE(buffer.size() == n, "upload: optimizer state of another layout");
+        copy_to_device(b.data, buffer, stream);
+      }
+  optimizer.set_steps(initial.optimizer_steps, stream);
   if (Fp8Recipe* fp8 = training.fp8(); fp8 && !initial.fp8_metas.empty()) {
     ENSURE(initial.fp8_metas.size() == fp8->count() * sizeof(Fp8Meta), "upload: FP8 state of another size");
     CUDA_CHECK(cudaMemcpyAsync(fp8->metas(), initial.fp8_metas.data(), initial.fp8_metas.size(), cudaMemcpyHostToDevice,

@@ -3,9 +3,10 @@
 // fsynced), the newest --keep kept:
 //   model.safetensors   the fp32 weights under timm's state_dict names and shapes
 //                       (timm: model.load_state_dict(safetensors.torch.load_file(...)), strict)
-//   state.safetensors   SGD momentum per tensor ("momentum.<name>"), the FP8 scaling state, the
-//                       step and the epoch's running loss, and the run's shape (to refuse a
-//                       checkpoint of another model)
+//   state.safetensors   the optimizer's state per tensor (SGD: "momentum.<name>"; AdamW:
+//                       "exp_avg.<name>", "exp_avg_sq.<name>" and "optimizer.steps"), the FP8
+//                       scaling state, the step and the epoch's running loss, and the run's
+//                       shape (to refuse a checkpoint of another model)
 //   run.txt             the same facts for a person to read
 // The data position is the step: synthetic batches and each epoch's shuffle are functions of
 // (seed, step), so a resumed run sees the batches an uninterrupted one would. Reading one back

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "engine/checkpoint_dir.h"
+#include "engine/optimizer.h"
 #include "engine/regular_file.h"
 #include "kernels/check.h"
 #include "kernels/fp8_scaling.h"
@@ -29,13 +30,17 @@ const char* const kRunFactNames[] = {"img", "patch", "channels", "classes", "dim
 void write_checkpoint_files(const std::string& dir, const ViTConfig& model, const InitialState& c,
                             const std::vector<int64_t>& facts) {
   const ParamLayout layout(model);
-  ENSURE(c.params.size() == layout.total() && c.momentum.size() == layout.total(),
-         "write_checkpoint_files: contents of another layout");
+  ENSURE(c.params.size() == layout.total(), "write_checkpoint_files: contents of another layout");
   std::vector<StTensor> weights, st;
-  for (const ParamTensor& t : layout.tensors()) {
+  for (const ParamTensor& t : layout.tensors())
     weights.push_back({t.name, "F32", t.shape, c.params.data() + t.offset, t.numel * sizeof(float)});
-    st.push_back({"momentum." + t.name, "F32", t.shape, c.momentum.data() + t.offset, t.numel * sizeof(float)});
+  for (const auto& [name, buffer] : c.optimizer_state) {
+    ENSURE(buffer.size() == layout.total(), "write_checkpoint_files: optimizer state of another layout");
+    for (const ParamTensor& t : layout.tensors())
+      st.push_back({name + "." + t.name, "F32", t.shape, buffer.data() + t.offset, t.numel * sizeof(float)});
   }
+  if (c.optimizer_state.size() > 1)  // AdamW
+    st.push_back({"optimizer.steps", "I64", {1}, &c.optimizer_steps, 8});
   const int64_t step = c.state.step;
   st.push_back({"run.shape", "I64", {static_cast<int64_t>(facts.size())}, facts.data(), facts.size() * 8});
   st.push_back({"run.step", "I64", {1}, &step, 8});
@@ -48,12 +53,26 @@ void write_checkpoint_files(const std::string& dir, const ViTConfig& model, cons
   write_safetensors((fs::path(dir) / "state.safetensors").string(), st);
 }
 
+namespace {
+std::string optimizer_text(const TrainOptions& o) {
+  char t[160];
+  if (o.optimizer == OptimizerKind::Sgd)
+    std::snprintf(t, sizeof t, "optimizer sgd, momentum %.9g, weight-decay %.9g, nesterov %s", o.momentum,
+                  o.weight_decay, o.nesterov ? "on" : "off");
+  else
+    std::snprintf(t, sizeof t, "optimizer adamw, betas %.9g,%.9g, eps %.9g, weight-decay %.9g", o.beta1, o.beta2,
+                  o.eps, o.weight_decay);
+  return t;
+}
+}  // namespace
+
 std::string run_schedule_text(const TrainOptions& o) {
   char lr[32];
   std::snprintf(lr, sizeof lr, "%.9g", o.lr);
   return "seed " + std::to_string(o.seed) + "\ndata " + choice_name(o.data) +
          (o.data_dir.empty() ? "" : ":" + o.data_dir) + "\nschedule " + choice_name(o.lr_schedule) + ", lr " + lr +
-         ", warmup-steps " + std::to_string(o.warmup_steps) + ", steps " + std::to_string(o.steps) + "\n";
+         ", warmup-steps " + std::to_string(o.warmup_steps) + ", steps " + std::to_string(o.steps) + "\n" +
+         optimizer_text(o) + "\n";
 }
 
 std::vector<std::string> resume_differences(const std::string& run_txt, const TrainOptions& opts) {
@@ -148,11 +167,29 @@ InitialState read_checkpoint_files(const std::string& path, const SafetensorsFil
   out.resumed = true;
   const ParamLayout layout(opts.model);
   out.params.assign(layout.total(), 0.0f);
-  out.momentum.assign(layout.total(), 0.0f);
   for (const ParamTensor& t : layout.tensors()) {
-    const std::vector<float> w = finite_f32(weights, t.name, t.shape), m = finite_f32(st, "momentum." + t.name, t.shape);
+    const std::vector<float> w = finite_f32(weights, t.name, t.shape);
     std::copy(w.begin(), w.end(), out.params.begin() + t.offset);
-    std::copy(m.begin(), m.end(), out.momentum.begin() + t.offset);
+  }
+  // The optimizer's state: this run's optimizer must be the checkpoint's.
+  const std::string first = layout.tensors().front().name;
+  for (const OptimizerKind other : {OptimizerKind::Sgd, OptimizerKind::AdamW})
+    if (other != opts.optimizer && !st.find(optimizer_state_names(opts.optimizer)[0] + "." + first) &&
+        st.find(optimizer_state_names(other)[0] + "." + first))
+      throw UsageError("--resume " + path + ": the checkpoint holds " + choice_name(other) +
+                       "'s state, this run uses --optimizer " + choice_name(opts.optimizer));
+  for (const std::string& name : optimizer_state_names(opts.optimizer)) {
+    std::vector<float> buffer(layout.total(), 0.0f);
+    for (const ParamTensor& t : layout.tensors()) {
+      const std::vector<float> v = finite_f32(st, name + "." + t.name, t.shape);
+      std::copy(v.begin(), v.end(), buffer.begin() + t.offset);
+    }
+    out.optimizer_state.emplace_back(name, std::move(buffer));
+  }
+  if (opts.optimizer == OptimizerKind::AdamW) {
+    std::memcpy(&out.optimizer_steps, st.data(expect_tensor(st, "optimizer.steps", "I64", {1})), 8);
+    if (out.optimizer_steps < 0 || out.optimizer_steps > kMaxCheckpointStep)
+      bad_tensor(st, "optimizer.steps", "records " + std::to_string(out.optimizer_steps) + " updates (corrupted?)");
   }
   if (opts.precision == Precision::FP8) {
     const size_t meta_bytes = ViT::fp8_tensors_of(opts.model) * sizeof(Fp8Meta);

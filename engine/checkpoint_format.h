@@ -16,12 +16,16 @@ struct CheckpointState {
   float epoch_loss_sum = 0;  // the running epoch's summed loss, for its mean
 };
 
-// What a checkpoint holds (weights, momentum, FP8 scaling state, the step), or a timm file's
-// weights: where a run starts when not from the seed.
+// What a checkpoint holds (weights, optimizer state, FP8 scaling state, the step), or a timm
+// file's weights: where a run starts when not from the seed.
 struct InitialState {
   std::string source;    // the checkpoint's directory, or the file
   bool resumed = false;  // a checkpoint (--resume), else a timm file (--init-from)
-  std::vector<float> params, momentum;  // in the layout's order (model/params.h); momentum empty for timm
+  std::vector<float> params;  // in the layout's order (model/params.h)
+  // The optimizer's state buffers by name (engine/optimizer.h's optimizer_state_names), each in
+  // the layout's order; none for a timm file. AdamW's updates made (its bias correction's t).
+  std::vector<std::pair<std::string, std::vector<float>>> optimizer_state;
+  int64_t optimizer_steps = 0;
   std::vector<uint8_t> fp8_metas;       // the scaling records as the device holds them (empty in bf16)
   int32_t fp8_skipped[2] = {0, 0};
   CheckpointState state;
@@ -38,12 +42,12 @@ extern const char* const kRunFactNames[];
 constexpr size_t kRunFactsMustMatch = 9;
 
 // Writes contents as dir/model.safetensors and dir/state.safetensors (each atomically), with the
-// run's facts (run_facts); contents.params and .momentum follow the layout of model.
+// run's facts (run_facts); contents.params and each optimizer buffer follow the layout of model.
 void write_checkpoint_files(const std::string& dir, const ViTConfig& model, const InitialState& contents,
                             const std::vector<int64_t>& facts);
 
-// The lines of a checkpoint's run.txt that say what sets the batches and the learning rates:
-// "seed N", "data KIND[:DIR]", "schedule ..." (from the options).
+// The lines of a checkpoint's run.txt that say what sets the batches and the updates: "seed N",
+// "data KIND[:DIR]", "schedule ...", "optimizer ..." (from the options).
 std::string run_schedule_text(const TrainOptions& opts);
 // Where this run's seed, data or schedule differ from those in run.txt's text (an earlier
 // version's run.txt may lack some: not compared), as "<the checkpoint's line> -> <this run's>".

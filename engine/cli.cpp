@@ -68,6 +68,7 @@ constexpr Choice<AllReduceMethod> kAllReduce[] = {
 constexpr Choice<LrSchedule::Kind> kSchedule[] = {
     {"constant", LrSchedule::Kind::Constant}, {"cosine", LrSchedule::Kind::Cosine}};
 constexpr Choice<bool> kOnOff[] = {{"on", true}, {"off", false}};
+constexpr Choice<OptimizerKind> kOptimizer[] = {{"sgd", OptimizerKind::Sgd}, {"adamw", OptimizerKind::AdamW}};
 
 template <class E, size_t N>
 const char* name_in(const Choice<E> (&table)[N], E v) {
@@ -98,6 +99,7 @@ const char* choice_name(AttentionKernels v) { return name_in(kAttention, v); }
 const char* choice_name(Fp8Scaling v) { return name_in(kFp8Scaling, v); }
 const char* choice_name(DataKind v) { return name_in(kData, v); }
 const char* choice_name(ShardOptimizer v) { return name_in(kShard, v); }
+const char* choice_name(OptimizerKind v) { return name_in(kOptimizer, v); }
 const char* choice_name(ReduceDType v) { return name_in(kReduceDType, v); }
 const char* choice_name(AllReduceMethod v) { return name_in(kAllReduce, v); }
 const char* choice_name(LrSchedule::Kind v) { return name_in(kSchedule, v); }
@@ -125,11 +127,17 @@ data:
                          --channels 1 --classes 10) or packed:DIR (DIR/train,
                          optionally DIR/val, written by pack_images)
   --eval-every N         test top-1 every N steps (default: each epoch's end)
-optimizer (torch.optim.SGD; fp32 master weights and momentum):
+optimizer (fp32 master weights and state):
+  --optimizer O          sgd (default: torch.optim.SGD) or adamw
+                         (torch.optim.AdamW, timm's groups: no weight decay
+                         on norms, biases, pos_embed and cls_token)
   --lr X                 learning rate (default 0.001)
-  --momentum X           (default 0.9)
-  --weight-decay X       L2 added to the gradient (default 0)
-  --nesterov             Nesterov momentum
+  --weight-decay X       sgd: L2 added to the gradient (default 0); adamw:
+                         decoupled (default 0.01)
+  --momentum X           sgd (default 0.9)
+  --nesterov             sgd: Nesterov momentum
+  --betas B1,B2          adamw (default 0.9,0.999)
+  --eps X                adamw (default 1e-08)
   --lr-schedule S        constant (default) or cosine (to zero at the run's end)
   --warmup-steps N       linear learning-rate warm-up (default 0)
   --clip-grad X          clip the gradients' global L2 norm to X
@@ -184,7 +192,7 @@ several GPUs:
 
 TrainOptions parse_args(const std::vector<std::string>& args) {
   TrainOptions o;
-  std::set<std::string> given;  // the valued flags on the command line
+  std::set<std::string> given;  // the valued flags on the command line, and --nesterov
   // The preset first, so that overrides apply whatever their position.
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--model") {
@@ -246,6 +254,14 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--lr", [&](const std::string& f, const std::string& v) { o.lr = parse_double(f, v, 0, 1e3); }},
       {"--momentum", [&](const std::string& f, const std::string& v) { o.momentum = parse_double(f, v, 0, 0.999999); }},
       {"--weight-decay", [&](const std::string& f, const std::string& v) { o.weight_decay = parse_double(f, v, 0, 1e3); }},
+      {"--optimizer", [&](const std::string& f, const std::string& v) { o.optimizer = parse_choice(f, v, kOptimizer); }},
+      {"--betas", [&](const std::string& f, const std::string& v) {
+         const size_t comma = v.find(',');
+         if (comma == std::string::npos) bad(f + " expects B1,B2 (e.g. 0.9,0.999), got '" + v + "'");
+         o.beta1 = parse_double(f, v.substr(0, comma), 0, 0.999999);
+         o.beta2 = parse_double(f, v.substr(comma + 1), 0, 0.999999999);
+       }},
+      {"--eps", [&](const std::string& f, const std::string& v) { o.eps = parse_double(f, v, 1e-30, 1); }},
       {"--clip-grad", [&](const std::string& f, const std::string& v) { o.clip_grad = parse_double(f, v, 1e-6, 1e9); }},
       {"--label-smoothing", [&](const std::string& f, const std::string& v) { o.label_smoothing = parse_double(f, v, 0, 0.999); }},
       {"--log-every", [&](const std::string& f, const std::string& v) { o.log_every = parse_int(f, v, 1, 1 << 30); }},
@@ -271,7 +287,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") { o.help = true; continue; }
-    if (a == "--nesterov") { o.nesterov = true; continue; }
+    if (a == "--nesterov") { o.nesterov = true; given.insert(a); continue; }
     if (a == "--timing") { o.timing = true; continue; }
     if (a == "--fp8-stats") { o.fp8_stats = true; continue; }
     if (a == "--no-gemm-autotune") { o.gemm_autotune = false; continue; }
@@ -301,7 +317,15 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   } catch (const std::invalid_argument& e) {
     bad(std::string("--batch: ") + e.what());
   }
-  if (o.nesterov && o.momentum <= 0) bad("--nesterov needs a positive --momentum (as in torch.optim.SGD)");
+  if (o.optimizer == OptimizerKind::Sgd) {
+    for (const char* f : {"--betas", "--eps"})
+      if (given.count(f)) bad(std::string(f) + " applies to --optimizer adamw");
+    if (o.nesterov && o.momentum <= 0) bad("--nesterov needs a positive --momentum (as in torch.optim.SGD)");
+  } else {
+    for (const char* f : {"--momentum", "--nesterov"})
+      if (given.count(f)) bad(std::string(f) + " applies to --optimizer sgd");
+    if (!given.count("--weight-decay")) o.weight_decay = 0.01;  // torch.optim.AdamW's default
+  }
   if (o.data == DataKind::Synthetic) {
     if (o.epochs > 0) bad("--epochs needs a dataset with a size (--data fashion-mnist); use --steps");
     if (o.eval_every > 0) bad("--eval-every needs a dataset with a test split (--data fashion-mnist)");
@@ -324,9 +348,10 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   if (o.epochs > 0 && given.count("--steps")) bad("give --steps or --epochs, not both");
   if (o.fp8_stats && o.precision != Precision::FP8) bad("--fp8-stats needs --precision fp8");
   if (!o.dump_reference.empty() && (o.data != DataKind::Synthetic || o.lr_schedule != LrSchedule::Kind::Constant ||
-                                    o.warmup_steps > 0 || o.precision != Precision::BF16))
+                                    o.warmup_steps > 0 || o.precision != Precision::BF16 || o.clip_grad > 0 ||
+                                    o.label_smoothing > 0))
     bad("--dump-reference replays the synthetic data at a constant learning rate in timm's bf16 autocast: it takes "
-        "neither --data, --lr-schedule cosine, --warmup-steps nor --precision fp8");
+        "neither --data, --lr-schedule cosine, --warmup-steps, --precision fp8, --clip-grad nor --label-smoothing");
   if (!o.dump_reference.empty() && o.gpus > 1) bad("--dump-reference runs on one GPU (--gpus 1)");
   if (o.allreduce == AllReduceMethod::CopyEngine && (o.reduce_dtype != ReduceDType::F32 || o.nccl_window))
     bad("--allreduce copy-engine sums fp32 gradients in plain device memory: it takes neither --reduce-dtype bf16 "

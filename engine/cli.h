@@ -17,6 +17,7 @@ enum class AttentionKernels { Auto, Engine, SinglePass, Resident, Streamed, Cudn
 enum class Fp8Scaling { Delayed, Current };
 enum class DataKind { Synthetic, FashionMnist, Packed };
 enum class ShardOptimizer { Auto, On, Off };
+enum class OptimizerKind { Sgd, AdamW };
 
 struct TrainOptions {
   ViTConfig model;
@@ -32,9 +33,13 @@ struct TrainOptions {
   DataKind data = DataKind::Synthetic;
   std::string data_dir;  // fashion-mnist: the IDX files' folder; packed: DIR (DIR/train, DIR/val)
   int eval_every = 0;    // steps between test-set evaluations; 0: at each epoch's end
-  // Optimizer (torch.optim.SGD) and loss.
-  double lr = 0.001, momentum = 0.9, weight_decay = 0.0;
+  // Optimizer (torch.optim.SGD or AdamW) and loss.
+  OptimizerKind optimizer = OptimizerKind::Sgd;
+  double lr = 0.001;
+  double weight_decay = 0.0;  // SGD: L2 in the gradient; AdamW: decoupled (torch's default 0.01)
+  double momentum = 0.9;      // SGD
   bool nesterov = false;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // AdamW
   double clip_grad = 0;        // clip the gradients' global L2 norm to this (0: off)
   double label_smoothing = 0;  // PyTorch's CrossEntropyLoss(label_smoothing=...)
   LrSchedule::Kind lr_schedule = LrSchedule::Kind::Constant;
@@ -89,6 +94,7 @@ const char* choice_name(AttentionKernels v);
 const char* choice_name(Fp8Scaling v);
 const char* choice_name(DataKind v);
 const char* choice_name(ShardOptimizer v);
+const char* choice_name(OptimizerKind v);
 const char* choice_name(ReduceDType v);
 const char* choice_name(AllReduceMethod v);
 const char* choice_name(LrSchedule::Kind v);

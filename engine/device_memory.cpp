@@ -10,7 +10,7 @@ const char* DeviceMemory::name(MemoryCategory category) {
   switch (category) {
     case MemoryCategory::Parameters: return "parameters (fp32 master, bf16 and fp8 copies)";
     case MemoryCategory::Gradients: return "gradients (fp32)";
-    case MemoryCategory::OptimizerState: return "optimizer state (fp32 momentum)";
+    case MemoryCategory::OptimizerState: return "optimizer state (fp32)";
     case MemoryCategory::Activations: return "activations saved for backward";
     case MemoryCategory::Workspace: return "workspace (backward temporaries, batch)";
     case MemoryCategory::Count: break;

@@ -172,18 +172,16 @@ void Trainer::optimizer_step(int step) {
   doing("optimizer step (sharded: then waiting for the peers' weights)");
   NvtxRange range("optimizer");
   auto phase = timer_->phase(Phase::Optimizer, stream_);
-  SgdHyper h{static_cast<float>(schedule_.at(step)), static_cast<float>(opts_.momentum),
-             static_cast<float>(opts_.weight_decay), opts_.nesterov};
-  h.max_grad_norm = static_cast<float>(opts_.clip_grad);
+  const OptimizerStep h{schedule_.at(step), step == 0};
   if (sync_ && sync_->sharded()) {
-    step_->update_sharded(*sync_, h, step == 0, stream_, timer_.get());
+    step_->update_sharded(*sync_, h, stream_, timer_.get());
     return;
   }
   if (grad_norm_) {
     auto t = timer_->op(OpKind::Optimizer, stream_);
     l2_norm(model_->grads(), model_->layout().total(), norm_partial_, grad_norm_, stream_);
   }
-  step_->update(h, step == 0, grad_norm_, stream_, timer_.get());  // and the next forward's FP8 weights
+  step_->update(h, grad_norm_, stream_, timer_.get());  // and the next forward's FP8 weights
 }
 
 void Trainer::end_step(int step) {

@@ -80,6 +80,7 @@ class Trainer {
   void end_step(int step);  // --timing: collects the step's event times
 
   ViT& model() { return *model_; }
+  TrainingStep& training_step() { return *step_; }
   cudaStream_t stream() const { return stream_; }
 
  private:
@@ -142,7 +143,7 @@ class Trainer {
   // memory they ask for, the model, its optimizer and FP8 recipe, the memory itself, the step.
   MemoryRequest memory_;
   std::unique_ptr<ViT> model_;
-  std::unique_ptr<Sgd> sgd_;
+  std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Fp8Recipe> fp8_;  // null in bf16
   std::unique_ptr<DeviceMemory> device_memory_;
   std::unique_ptr<TrainingStep> step_;

@@ -46,21 +46,22 @@ constexpr size_t kGemmWorkspace = 32u << 20;  // what cuBLASLt asks for on Hoppe
 
 // Everything one step of this model, batch and precision asks for (model, optimizer, FP8
 // recipe), declared but not allocated.
-void request_step_memory(const ViTConfig& cfg, int batch, Precision precision, MemoryRequest& memory,
-                         std::unique_ptr<ViT>& model, std::unique_ptr<Sgd>& sgd, std::unique_ptr<Fp8Recipe>& fp8,
-                         const Fp8Options& fp8_options) {
+void request_step_memory(const ViTConfig& cfg, int batch, Precision precision,
+                         const OptimizerSettings& optimizer_settings, MemoryRequest& memory,
+                         std::unique_ptr<ViT>& model, std::unique_ptr<Optimizer>& optimizer,
+                         std::unique_ptr<Fp8Recipe>& fp8, const Fp8Options& fp8_options) {
   model = std::make_unique<ViT>(cfg, batch, memory, precision);
-  sgd = std::make_unique<Sgd>(*model, memory);
+  optimizer = std::make_unique<Optimizer>(*model, optimizer_settings, memory);
   if (precision == Precision::FP8) fp8 = std::make_unique<Fp8Recipe>(*model, fp8_options, memory);
 }
 
 // Bytes a step of this batch needs on the device (nothing allocated).
-size_t bytes_for_batch(const ViTConfig& cfg, int batch, Precision precision) {
+size_t bytes_for_batch(const ViTConfig& cfg, int batch, Precision precision, const OptimizerSettings& settings) {
   MemoryRequest memory;
   std::unique_ptr<ViT> model;
-  std::unique_ptr<Sgd> sgd;
+  std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<Fp8Recipe> fp8;
-  request_step_memory(cfg, batch, precision, memory, model, sgd, fp8, Fp8Options{});
+  request_step_memory(cfg, batch, precision, settings, memory, model, optimizer, fp8, Fp8Options{});
   return memory.bytes();
 }
 
@@ -159,18 +160,20 @@ void Trainer::check_data_across_ranks() {
 void Trainer::check_memory() {
   const ViTConfig& cfg = opts_.model;
   const Precision precision = opts_.precision;
+  const OptimizerSettings optimizer = OptimizerSettings::from(opts_);
   const size_t param_floats = ParamLayout(cfg).total();
   const size_t staging = ctx_.comm ? GradSync::staging_elements(param_floats, opts_.reduce_dtype) : 0;
   const size_t receive = ctx_.peers ? GradSync::receive_floats(param_floats, bucket_floats(), ctx_.world) : 0;
-  const size_t need = bytes_for_batch(cfg, opts_.batch, precision) + gemm_workspaces() +
+  const size_t need = bytes_for_batch(cfg, opts_.batch, precision, optimizer) + gemm_workspaces() +
                       staging * sizeof(__nv_bfloat16) + receive * sizeof(float);
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   const size_t usable = free_b - std::min(free_b, size_t(512) << 20);  // room for the CUDA libraries
   if (need <= usable) return;
   const int unit = precision == Precision::FP8 ? 16 : 1;  // FP8 batches come in multiples of 16 at most
-  const size_t per_image = (bytes_for_batch(cfg, 2 * unit, precision) - bytes_for_batch(cfg, unit, precision)) / unit;
-  const size_t fixed = bytes_for_batch(cfg, unit, precision) - unit * per_image + gemm_workspaces();
+  const size_t per_image =
+      (bytes_for_batch(cfg, 2 * unit, precision, optimizer) - bytes_for_batch(cfg, unit, precision, optimizer)) / unit;
+  const size_t fixed = bytes_for_batch(cfg, unit, precision, optimizer) - unit * per_image + gemm_workspaces();
   const long fits = usable > fixed ? static_cast<long>((usable - fixed) / per_image) : 0;
   char msg[400];
   std::snprintf(msg, sizeof msg,
@@ -182,14 +185,15 @@ void Trainer::check_memory() {
 
 void Trainer::build_model() {
   const ViTConfig& cfg = opts_.model;
-  request_step_memory(cfg, opts_.batch, opts_.precision, memory_, model_, sgd_, fp8_, fp8_options(opts_));
+  request_step_memory(cfg, opts_.batch, opts_.precision, OptimizerSettings::from(opts_), memory_, model_, optimizer_,
+                      fp8_, fp8_options(opts_));
   // --nccl-window (experimental): the buffer the gradients are all-reduced in comes from
   // ncclMemAlloc and is registered as a symmetric window, so that NCCL can run its symmetric
   // kernels on it.
   const bool window = ctx_.comm && opts_.nccl_window && opts_.reduce_dtype == ReduceDType::F32;
   device_memory_ = std::make_unique<DeviceMemory>(memory_, window ? nccl_alloc : nullptr, window ? nccl_free : nullptr);
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
-  step_ = std::make_unique<TrainingStep>(*model_, *sgd_, fp8_.get());
+  step_ = std::make_unique<TrainingStep>(*model_, *optimizer_, fp8_.get());
   step_->set_second_stream(second_stream_, gemm_workspace_, opts_.gemm_autotune);
   timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth);  // ~16 scopes a block, ~31 in fp8
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -224,7 +228,7 @@ void Trainer::build_exchange() {
     PeerGroup::State state;
     state.grads = model_->grads();
     state.params = model_->params();
-    state.momentum = sgd_->momentum();
+    for (const Optimizer::StateBuffer& b : optimizer_->state()) state.optimizer_state.push_back(b.data);
     state.params_bf16 = model_->params_bf16();
     sync_ = std::make_unique<GradSync>(*ctx_.comm, model_->grads(), param_floats, bucket_floats(), opts_.reduce_dtype,
                                        reduce_staging_, stream_, opts_.comm_overlap, window, ctx_.peers,

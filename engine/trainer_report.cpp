@@ -29,14 +29,14 @@ void Trainer::print_summary() const {
     std::printf("  precision   fp8: qkv/proj/fc1/fc2 GEMMs (forward, input and weight gradients) in FP8, E4M3 weights\n"
                 "              and activations, E5M2 output gradients, per-tensor %s scaling (%s, margin %d);\n"
                 "              patch embedding, head and attention in bf16; LayerNorm, softmax, loss, residual\n"
-                "              stream, master weights, gradients and momentum in fp32\n",
+                "              stream, master weights, gradients and the optimizer's state in fp32\n",
                 choice_name(opts_.fp8_scaling),
                 opts_.fp8_scaling == Fp8Scaling::Delayed ? ("amax history " + std::to_string(opts_.amax_history)).c_str()
                                                          : "the tensor's own amax",
                 opts_.fp8_margin);
   else
     std::printf("  precision   bf16: bf16 GEMMs and attention with fp32 accumulation; fp32 LayerNorm, softmax, loss,\n"
-                "              residual stream, master weights, gradients and momentum\n");
+                "              residual stream, master weights, gradients and the optimizer's state\n");
   // Which kernels run: the ones asked for, or auto's choice (kernels/attention.h).
   const AttentionKernels kind = opts_.attention;
   const AttentionBackward auto_backward = attention_backward_auto_choice(cfg.tokens(), cfg.head_dim());
@@ -87,10 +87,17 @@ void Trainer::print_summary() const {
     std::printf("  optimizer   sharded (--shard-optimizer %s): each rank sums and updates its share of every bucket\n"
                 "              and copies its new bf16 weights to every rank through the copy engines\n",
                 choice_name(opts_.shard_optimizer));
-  std::printf("  training    batch %d%s, %d steps (%d warm-up), SGD %s, momentum %g, weight decay %g%s, seed %llu\n",
-              opts_.batch, ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, schedule_.describe().c_str(),
-              opts_.momentum, opts_.weight_decay, opts_.nesterov ? " nesterov" : "",
-              static_cast<unsigned long long>(opts_.seed));
+  char optimizer[160];
+  if (opts_.optimizer == OptimizerKind::Sgd)
+    std::snprintf(optimizer, sizeof optimizer, "SGD %s, momentum %g, weight decay %g%s", schedule_.describe().c_str(),
+                  opts_.momentum, opts_.weight_decay, opts_.nesterov ? " nesterov" : "");
+  else
+    std::snprintf(optimizer, sizeof optimizer, "AdamW %s, betas %g,%g, eps %g, weight decay %g (not on norms, biases, "
+                  "pos_embed, cls_token)", schedule_.describe().c_str(), opts_.beta1, opts_.beta2, opts_.eps,
+                  opts_.weight_decay);
+  std::printf("  training    batch %d%s, %d steps (%d warm-up), seed %llu\n              %s\n", opts_.batch,
+              ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, static_cast<unsigned long long>(opts_.seed),
+              optimizer);
   std::printf("  model FLOPs %.1f GFLOP per image per training step\n", cfg.train_flops_per_image() / 1e9);
   std::printf("  memory      (allocated once, at start-up)\n");
   size_t total = gemm_workspaces();

@@ -15,7 +15,7 @@ void TrainingStep::init(uint64_t seed, cudaStream_t st) {
   await_update(st);
   if (fp8_) fp8_->init(st);
   model_.init_params(seed, st);
-  sgd_.zero_momentum(st);
+  optimizer_.reset(st);
 }
 
 void TrainingStep::refresh_weight_copies(cudaStream_t st) {
@@ -67,15 +67,15 @@ void TrainingStep::await_update(cudaStream_t st) {
   second_->update_pending = false;
 }
 
-void TrainingStep::update(const SgdHyper& h, bool first_step, const float* grad_norm, cudaStream_t st,
-                          OpTimer* timer) {
+void TrainingStep::update(const OptimizerStep& step, const float* grad_norm, cudaStream_t st, OpTimer* timer) {
   OpTimer untimed(false);
   OpTimer& tm = timer ? *timer : untimed;
   const int* skip = fp8_ ? fp8_->step_non_finite() : nullptr;
   await_update(st);  // a previous update not yet waited for (none, between training steps)
   if (!second_ || (fp8_ && fp8_->options().current)) {
     { auto t = tm.op(OpKind::Optimizer, st);
-      sgd_.update(0, model_.layout().total(), h, first_step, skip, grad_norm, st); }
+      optimizer_.begin_step(step, skip, st);
+      optimizer_.update(0, model_.layout().total(), step, skip, grad_norm, st); }
     model_.cast_fp8_weights(st, timer);
     return;
   }
@@ -85,21 +85,22 @@ void TrainingStep::update(const SgdHyper& h, bool first_step, const float* grad_
   second_->fork(st);
   const cudaStream_t ss = second_->stream();
   const int depth = model_.config().depth;
+  const int* skip_copy = fp8_ ? second_->skip_copy() : nullptr;
+  optimizer_.begin_step(step, skip_copy, ss);
   for (int part = 0; part < model_.parameter_parts(); ++part) {
     { auto t = tm.op(OpKind::Optimizer, ss);
-      sgd_.update(model_.parameter_part_begin(part), model_.parameter_part_begin(part + 1), h, first_step,
-                  fp8_ ? second_->skip_copy() : nullptr, grad_norm, ss); }
+      optimizer_.update(model_.parameter_part_begin(part), model_.parameter_part_begin(part + 1), step, skip_copy,
+                        grad_norm, ss); }
     if (fp8_ && part >= 1 && part <= depth) model_.cast_fp8_weights(part - 1, 1, ss, timer);
     CUDA_CHECK(cudaEventRecord(second_->updated(part), ss));
   }
   second_->update_pending = true;
 }
 
-void TrainingStep::update_sharded(GradSync& sync, const SgdHyper& h, bool first_step, cudaStream_t st,
-                                  OpTimer* timer) {
+void TrainingStep::update_sharded(GradSync& sync, const OptimizerStep& step, cudaStream_t st, OpTimer* timer) {
   OpTimer untimed(false);
   { auto t = (timer ? *timer : untimed).op(OpKind::Optimizer, st);
-    sgd_.update_sharded(sync, h, first_step, fp8_ ? fp8_->step_non_finite() : nullptr, st); }
+    optimizer_.update_sharded(sync, step, fp8_ ? fp8_->step_non_finite() : nullptr, st); }
   model_.cast_fp8_weights(st, timer);  // the next forward's FP8 weights
 }
 

@@ -23,10 +23,10 @@ class GradSync;  // comm/grad_sync.h
 class TrainingStep {
  public:
   // fp8: the recipe in FP8, null in bf16 (none of these is owned).
-  TrainingStep(ViT& model, Sgd& sgd, Fp8Recipe* fp8) : model_(model), sgd_(sgd), fp8_(fp8) {}
+  TrainingStep(ViT& model, Optimizer& optimizer, Fp8Recipe* fp8) : model_(model), optimizer_(optimizer), fp8_(fp8) {}
 
   ViT& model() { return model_; }
-  Sgd& optimizer() { return sgd_; }
+  Optimizer& optimizer() { return optimizer_; }
   Fp8Recipe* fp8() { return fp8_; }
 
   // A second stream (on; off by default here, vit_train's --second-stream), for the work off
@@ -42,7 +42,7 @@ class TrainingStep {
   enum class Lagging { SecondStream, CriticalPath };
   void set_second_stream_lag(uint64_t ns, Lagging which);
 
-  // timm's initialisation from the seed, momentum zero, the FP8 scaling state fresh.
+  // timm's initialisation from the seed, the optimizer's state zero, the FP8 scaling state fresh.
   void init(uint64_t seed, cudaStream_t stream);
   // After the fp32 master weights were written from outside (loading, tests): their copies.
   void refresh_weight_copies(cudaStream_t stream);
@@ -58,15 +58,13 @@ class TrainingStep {
   void backward(cudaStream_t stream, Gemm& gemm, OpTimer& timer,
                 const std::function<void(size_t)>& grads_ready_from = {});
   void end(cudaStream_t stream);
-  // SGD over every weight (clipped by grad_norm, skipped in FP8 when the step was bad), then in
-  // FP8 the next forward's weight copies. With the second stream it runs there, part by part in
-  // the order the next forward reads the weights (in line with the FP8 current recipe, whose
-  // weight casts reduce their amaxes and flag a bad step on the critical path).
-  void update(const SgdHyper& h, bool first_step, const float* grad_norm, cudaStream_t stream,
-              OpTimer* timer = nullptr);
+  // The optimizer over every weight (clipped by grad_norm, skipped in FP8 when the step was bad),
+  // then in FP8 the next forward's weight copies. With the second stream it runs there, part by
+  // part in the order the next forward reads the weights (in line with the FP8 current recipe,
+  // whose weight casts reduce their amaxes and flag a bad step on the critical path).
+  void update(const OptimizerStep& step, const float* grad_norm, cudaStream_t stream, OpTimer* timer = nullptr);
   // The sharded update (comm/grad_sync.h), in line, then the FP8 weight copies.
-  void update_sharded(GradSync& sync, const SgdHyper& h, bool first_step, cudaStream_t stream,
-                      OpTimer* timer = nullptr);
+  void update_sharded(GradSync& sync, const OptimizerStep& step, cudaStream_t stream, OpTimer* timer = nullptr);
   // Makes stream wait for all of the last update: before anything but the next forward reads or
   // writes the weights, the gradients or the FP8 state.
   void await_update(cudaStream_t stream);
@@ -77,7 +75,7 @@ class TrainingStep {
 
  private:
   ViT& model_;
-  Sgd& sgd_;
+  Optimizer& optimizer_;
   Fp8Recipe* fp8_;
   std::unique_ptr<SecondStream> second_;
 };

@@ -168,7 +168,7 @@ const std::string kSmall = "./vit_train --img 32 --patch 8 --channels 3 --classe
                            "--log-every 1 --no-gemm-autotune --attention engine";  // no choice by timing
 }  // namespace
 
-TEST_CASE("checkpoint: a resumed run's changed seed, data or schedule is found in run.txt") {
+TEST_CASE("checkpoint: a resumed run's changed seed, data, schedule or optimizer is found in run.txt") {
   TrainOptions o;
   o.seed = 7;
   o.data = DataKind::Packed;
@@ -178,7 +178,8 @@ TEST_CASE("checkpoint: a resumed run's changed seed, data or schedule is found i
   o.warmup_steps = 100;
   o.steps = 5000;
   const std::string text = run_schedule_text(o);
-  CHECK(text == "seed 7\ndata packed:/data/p\nschedule cosine, lr 0.1, warmup-steps 100, steps 5000\n");
+  CHECK(text == "seed 7\ndata packed:/data/p\nschedule cosine, lr 0.1, warmup-steps 100, steps 5000\n"
+                "optimizer sgd, momentum 0.9, weight-decay 0, nesterov off\n");
   const std::string run_txt = "step 1000\nmodel vit_h16 ...\nprecision bf16\nbatch 64 per rank, 1 rank(s)\n" + text;
   CHECK(resume_differences(run_txt, o).empty());
   TrainOptions other = o;
@@ -188,6 +189,12 @@ TEST_CASE("checkpoint: a resumed run's changed seed, data or schedule is found i
   REQUIRE(d.size() == 2);
   CHECK(d[0] == "schedule cosine, lr 0.1, warmup-steps 100, steps 5000 -> schedule cosine, lr 0.1, warmup-steps 100, steps 6000");
   CHECK(d[1] == "seed 7 -> seed 8");
+  other = o;
+  other.optimizer = OptimizerKind::AdamW;
+  other.weight_decay = 0.05;
+  CHECK(resume_differences(run_txt, other) ==
+        std::vector<std::string>{"optimizer sgd, momentum 0.9, weight-decay 0, nesterov off -> optimizer adamw, betas "
+                                 "0.9,0.999, eps 1e-08, weight-decay 0.05"});
   // An earlier version's run.txt (the seed only): only the seed compared.
   other = o;
   other.data = DataKind::Synthetic;
@@ -216,10 +223,16 @@ TEST_CASE("resumed_losses_mismatch: the resumed run's progress lines against the
 
 TEST_CASE("gpu: an interrupted run resumed from its checkpoint gives the uninterrupted run's losses") {
   SKIP_WITHOUT_GPU();
-  for (const char* precision : {"bf16", "fp8"}) {
-    CAPTURE(precision);
-    const fs::path d = temp_dir(std::string("resume_") + precision);
-    const std::string args = kSmall + " --precision " + precision;
+  struct Case {
+    const char *precision, *optimizer;
+  };
+  for (const Case c : {Case{"bf16", "sgd"}, Case{"fp8", "sgd"}, Case{"bf16", "adamw"}, Case{"fp8", "adamw"}}) {
+    CAPTURE(c.precision);
+    CAPTURE(c.optimizer);
+    const fs::path d = temp_dir(std::string("resume_") + c.precision + c.optimizer);
+    const std::string adamw = " --lr 0.002 --weight-decay 0.05 --betas 0.9,0.95";
+    const std::string args = kSmall + " --precision " + c.precision + " --optimizer " + c.optimizer +
+                             (std::string(c.optimizer) == "adamw" ? adamw : "");
     // Killed (a failure injected) at the start of step 11, after the checkpoint of step 10.
     const InterruptedRun r = run_interrupted_and_resumed(args, d.string(), 10, "--save-every 5 --keep 2");
     REQUIRE_INTERRUPTED_AND_RESUMED(r);
@@ -249,6 +262,10 @@ TEST_CASE("gpu: the newest K checkpoints are kept; bad checkpoints and timm file
   Run other = shell(kSmall + " --dim 128 --resume " + d.string());
   CHECK(other.code == 2);
   CHECK(other.out.find("the checkpoint is for dim 64, this run has 128") != std::string::npos);
+  // Another optimizer: refused, exit 2.
+  Run adamw = shell(kSmall + " --optimizer adamw --resume " + d.string());
+  CHECK(adamw.code == 2);
+  CHECK(adamw.out.find("the checkpoint holds sgd's state, this run uses --optimizer adamw") != std::string::npos);
   // Another seed: allowed, with a note naming it.
   Run reseeded = shell(kSmall + " --steps 12 --seed 5 --resume " + d.string());
   CAPTURE(reseeded.out);

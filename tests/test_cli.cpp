@@ -15,6 +15,7 @@
 #include "kernels/attention_choice.h"
 #include "kernels/check.h"
 #include "engine/cli.h"
+#include "engine/optimizer.h"
 #include "engine/safetensors.h"
 #include "model/params.h"
 #include "tests/harness.h"
@@ -44,6 +45,32 @@ TEST_CASE("cli: defaults are ViT-H/16, batch 64, bf16, SGD lr 0.001 momentum 0.9
   CHECK(o.lr == doctest::Approx(0.001));
   CHECK(o.momentum == doctest::Approx(0.9));
   CHECK(o.gpus == 1);
+}
+
+TEST_CASE("cli: --optimizer adamw with torch's defaults; each optimizer's flags only with it") {
+  const TrainOptions a = parse({"--optimizer", "adamw"});
+  CHECK(a.optimizer == OptimizerKind::AdamW);
+  CHECK(a.beta1 == doctest::Approx(0.9));
+  CHECK(a.beta2 == doctest::Approx(0.999));
+  CHECK(a.eps == doctest::Approx(1e-8));
+  CHECK(a.weight_decay == doctest::Approx(0.01));  // torch.optim.AdamW's default
+  const TrainOptions b = parse({"--optimizer=adamw", "--betas", "0.95,0.98", "--eps", "1e-6", "--weight-decay", "0"});
+  CHECK(b.beta1 == doctest::Approx(0.95));
+  CHECK(b.beta2 == doctest::Approx(0.98));
+  CHECK(b.eps == doctest::Approx(1e-6));
+  CHECK(b.weight_decay == 0);
+  CHECK(parse({}).optimizer == OptimizerKind::Sgd);
+  CHECK(parse({}).weight_decay == 0);
+  CHECK(usage_error({"--optimizer", "lamb"}).find("unknown --optimizer 'lamb'; choose sgd or adamw") != std::string::npos);
+  CHECK(usage_error({"--betas", "0.9,0.99"}).find("--betas applies to --optimizer adamw") != std::string::npos);
+  CHECK(usage_error({"--eps", "1e-6"}).find("--eps applies to --optimizer adamw") != std::string::npos);
+  CHECK(usage_error({"--optimizer", "adamw", "--momentum", "0.8"}).find("--momentum applies to --optimizer sgd") !=
+        std::string::npos);
+  CHECK(usage_error({"--optimizer", "adamw", "--nesterov"}).find("--nesterov applies to --optimizer sgd") !=
+        std::string::npos);
+  CHECK(usage_error({"--optimizer", "adamw", "--betas", "0.9"}).find("--betas expects B1,B2") != std::string::npos);
+  CHECK(usage_error({"--optimizer", "adamw", "--betas", "1,0.9"}).find("--betas must be between 0") != std::string::npos);
+  CHECK(usage_error({"--optimizer", "adamw", "--eps", "0"}).find("--eps must be between") != std::string::npos);
 }
 
 TEST_CASE("cli: presets and overrides, in any order, with --flag=value too") {
@@ -225,6 +252,19 @@ TEST_CASE("model: ViT-H/16 has timm's 632,199,400 parameters in 392 tensors") {
   CHECK(layout.at(layout.find("pos_embed")).shape == std::vector<int64_t>{1, 197, 1280});
   for (const ParamTensor& t : layout.tensors()) REQUIRE(t.offset % ParamLayout::kParamAlign == 0);
   CHECK(c.train_flops_per_image() / 1e9 == doctest::Approx(763.9).epsilon(1e-3));
+}
+
+TEST_CASE("optimizer: timm's AdamW groups decay the 130 matrices of ViT-H/16, no norm, bias or embedding") {
+  const ParamLayout layout{ViTConfig{}};
+  std::vector<std::string> decayed;
+  for (const ParamTensor& t : layout.tensors())
+    if (decays_weight(t)) decayed.push_back(t.name);
+  CHECK(decayed.size() == 130u);  // the patch projection, 4 a block, the head
+  CHECK(decayed.front() == "patch_embed.proj.weight");
+  CHECK(decayed.back() == "head.weight");
+  for (const std::string& name : decayed) CHECK(name.find(".weight") != std::string::npos);
+  for (const char* name : {"pos_embed", "cls_token", "blocks.0.norm1.weight", "blocks.0.attn.qkv.bias", "norm.bias"})
+    CHECK(!decays_weight(layout.at(layout.find(name))));
 }
 
 TEST_CASE("safetensors: header and data as PyTorch reads them; the write is atomic") {

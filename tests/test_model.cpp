@@ -83,16 +83,16 @@ namespace {
 struct StepUnderTest {
   MemoryRequest memory;
   ViT model;
-  Sgd sgd;
+  Optimizer optimizer;
   std::unique_ptr<Fp8Recipe> fp8;
   DeviceMemory device;
   TrainingStep step;
-  StepUnderTest(const ViTConfig& cfg, int B, Precision precision)
+  StepUnderTest(const ViTConfig& cfg, int B, Precision precision, const OptimizerSettings& settings = {})
       : model(cfg, B, memory, precision),
-        sgd(model, memory),
+        optimizer(model, settings, memory),
         fp8(precision == Precision::FP8 ? std::make_unique<Fp8Recipe>(model, Fp8Options{}, memory) : nullptr),
         device(memory),
-        step(model, sgd, fp8.get()) {}
+        step(model, optimizer, fp8.get()) {}
 };
 
 ViTConfig small_config() {
@@ -331,8 +331,9 @@ TEST_CASE("gpu: training a small model on a fixed batch lowers the loss, in bf16
       s.step.forward(0, gemm, timer);
       s.step.backward(0, gemm, timer);
       s.step.end(0);
-      sgd_momentum_step(model.params(), s.sgd.momentum(), model.grads(), model.params_bf16(), model.layout().total(),
-                        SgdHyper{0.05f, 0.9f, 0.0f, false}, step == 0, 0, s.fp8 ? s.fp8->step_non_finite() : nullptr);
+      sgd_momentum_step(model.params(), s.optimizer.state()[0].data, model.grads(), model.params_bf16(),
+                        model.layout().total(), SgdHyper{0.05f, 0.9f, 0.0f, false}, step == 0, 0,
+                        s.fp8 ? s.fp8->step_non_finite() : nullptr);
       model.cast_fp8_weights(0);
       CUDA_CHECK(cudaMemcpy(step == 0 ? &first : &last, model.loss(), 4, cudaMemcpyDeviceToHost));
     }
@@ -344,6 +345,33 @@ TEST_CASE("gpu: training a small model on a fixed batch lowers the loss, in bf16
     CHECK(std::isfinite(last));
     CHECK(last < 0.25 * first);
     CHECK(skipped == 0);
+  }
+}
+
+TEST_CASE("gpu: the engine's AdamW decays exactly timm's groups, on the second stream part by part too") {
+  SKIP_WITHOUT_GPU();
+  const ViTConfig cfg = small_config();
+  OptimizerSettings settings;
+  settings.kind = OptimizerKind::AdamW;
+  settings.weight_decay = 1.0;
+  for (const bool second : {false, true}) {
+    CAPTURE(second);
+    StepUnderTest s(cfg, 2, Precision::BF16, settings);
+    if (second) s.step.set_second_stream(true, 32u << 20, false);
+    s.step.init(1, 0);
+    const size_t n = s.model.layout().total();
+    const std::vector<float> before = download(s.model.params(), n);
+    // Zero gradients: the moments stay zero and so does Adam's step; only the decay moves a weight.
+    CUDA_CHECK(cudaMemset(s.model.grads(), 0, n * sizeof(float)));
+    s.step.update(OptimizerStep{0.1, true}, nullptr, 0);
+    s.step.await_update(0);
+    const std::vector<float> after = download(s.model.params(), n);
+    for (const ParamTensor& t : s.model.layout().tensors()) {
+      CAPTURE(t.name);
+      const float factor = decays_weight(t) ? 0.9f : 1.0f;  // 1 - lr * weight_decay
+      for (size_t i = t.offset; i < t.offset + t.numel; ++i) REQUIRE(after[i] == before[i] * factor);
+    }
+    CHECK(s.optimizer.steps(0) == 1);
   }
 }
 
@@ -366,7 +394,10 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
     // both Gemms pick the same ones.
     for (TrainingStep::Lagging lagging : {TrainingStep::Lagging::SecondStream, TrainingStep::Lagging::CriticalPath}) {
       CAPTURE(lagging == TrainingStep::Lagging::SecondStream);
-      StepUnderTest s_one(cfg, B, precision), s_two(cfg, B, precision);
+      OptimizerSettings settings;
+      settings.weight_decay = 1e-4;
+      settings.max_grad_norm = 1.0;  // clipped by the gradients' norm, read by the update on the second stream
+      StepUnderTest s_one(cfg, B, precision, settings), s_two(cfg, B, precision, settings);
       ViT &one = s_one.model, &two = s_two.model;
       s_two.step.set_second_stream(true, 32u << 20, false);
       s_two.step.set_second_stream_lag(2'000'000, lagging);
@@ -384,8 +415,6 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
       }
       DeviceBuffer<float> partial(l2_norm_partial_floats()), norm(1);
       std::vector<size_t> ready[2];  // the offsets handed on in the last step, in order
-      SgdHyper h{0.05f, 0.9f, 1e-4f, false};
-      h.max_grad_norm = 1.0f;  // clipped by the gradients' norm, read by the update on the second stream
       for (int k = 0; k < 2; ++k) {  // one model's steps after the other's: nothing else hides the lag
         ViT& m = k == 0 ? one : two;
         TrainingStep& ts = k == 0 ? s_one.step : s_two.step;
@@ -413,7 +442,7 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
           CUDA_CHECK(cudaMemcpyAsync(grads[k * kSteps + step].get(), m.grads(), n * 4, cudaMemcpyDeviceToDevice, 0));
           ts.end(0);
           l2_norm(m.grads(), n, partial.get(), norm.get(), 0);
-          ts.update(h, step == 0, norm.get(), 0);
+          ts.update(OptimizerStep{0.05, step == 0}, norm.get(), 0);
         }
       }
       CUDA_CHECK(cudaDeviceSynchronize());

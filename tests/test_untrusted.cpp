@@ -123,7 +123,7 @@ InitialState tiny_contents(Precision p) {
   const TrainOptions o = tiny(p);
   InitialState c;
   c.params.assign(ParamLayout(o.model).total(), 0.5f);
-  c.momentum.assign(c.params.size(), 0.25f);
+  c.optimizer_state.emplace_back("momentum", std::vector<float>(c.params.size(), 0.25f));
   c.state.step = 12;
   if (p == Precision::FP8) {
     std::vector<Fp8Meta> metas(ViT::fp8_tensors_of(o.model));
@@ -304,7 +304,7 @@ TEST_CASE("untrusted: checkpoint names, dtypes, steps and values are bounded and
     CHECK(e.find("model.safetensors: tensor ") != std::string::npos);
     CHECK(e.find(" holds nan at element ") != std::string::npos);
     InitialState inf_momentum = good;
-    inf_momentum.momentum[ParamLayout(tiny(p).model).tensors().back().offset + 2] = INFINITY;  // head.bias[2]
+    inf_momentum.optimizer_state[0].second[ParamLayout(tiny(p).model).tensors().back().offset + 2] = INFINITY;
     const std::string inf_error = checkpoint_error(ck, inf_momentum, p);
     CAPTURE(inf_error);
     CHECK(inf_error.find("state.safetensors: tensor momentum.head.bias holds inf at element 2") !=

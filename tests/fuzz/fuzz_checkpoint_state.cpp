@@ -1,5 +1,6 @@
 // libFuzzer target: a checkpoint's state.safetensors (engine/checkpoint_format.h) over arbitrary
-// bytes, read beside a valid model.safetensors of a tiny model, in bf16 and in fp8.
+// bytes, read beside a valid model.safetensors of a tiny model, in bf16 and fp8, with SGD and
+// AdamW.
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -36,12 +37,15 @@ const std::vector<uint8_t>& weights_file() {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<uint8_t>& w = weights_file();
   const SafetensorsFile weights("model.safetensors", w.data(), w.size());
-  for (const Precision p : {Precision::BF16, Precision::FP8}) {
-    try {
-      const SafetensorsFile state("state.safetensors", data, size);
-      read_checkpoint_files("checkpoint", state, weights, tiny_checkpoint_options(p), 1);
-    } catch (const std::runtime_error&) {  // RuntimeError or UsageError, with a message
+  for (const Precision p : {Precision::BF16, Precision::FP8})
+    for (const OptimizerKind k : {OptimizerKind::Sgd, OptimizerKind::AdamW}) {
+      try {
+        const SafetensorsFile state("state.safetensors", data, size);
+        TrainOptions o = tiny_checkpoint_options(p);
+        o.optimizer = k;
+        read_checkpoint_files("checkpoint", state, weights, o, 1);
+      } catch (const std::runtime_error&) {  // RuntimeError or UsageError, with a message
+      }
     }
-  }
   return 0;
 }

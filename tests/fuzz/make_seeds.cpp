@@ -16,6 +16,7 @@
 
 #include "engine/checkpoint_format.h"
 #include "engine/dataset.h"
+#include "engine/optimizer.h"
 #include "engine/packed_format.h"
 #include "engine/safetensors.h"
 #include "kernels/fp8_scaling.h"
@@ -57,26 +58,31 @@ void safetensors_seeds(const fs::path& dir) {
 }
 
 void checkpoint_seeds(const fs::path& dir) {
-  for (const Precision p : {Precision::BF16, Precision::FP8}) {
-    const TrainOptions o = tiny_checkpoint_options(p);
-    const ParamLayout layout(o.model);
-    InitialState c;
-    c.params.assign(layout.total(), 0.5f);
-    c.momentum.assign(layout.total(), -0.25f);
-    c.state.step = 7;
-    c.state.epoch_loss_sum = 3.5f;
-    if (p == Precision::FP8) {
-      std::vector<Fp8Meta> metas(ViT::fp8_tensors_of(o.model));
-      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(metas.data());
-      c.fp8_metas.assign(bytes, bytes + metas.size() * sizeof(Fp8Meta));
+  for (const Precision p : {Precision::BF16, Precision::FP8})
+    for (const OptimizerKind k : {OptimizerKind::Sgd, OptimizerKind::AdamW}) {
+      TrainOptions o = tiny_checkpoint_options(p);
+      o.optimizer = k;
+      const ParamLayout layout(o.model);
+      InitialState c;
+      c.params.assign(layout.total(), 0.5f);
+      for (const std::string& name : optimizer_state_names(k))
+        c.optimizer_state.emplace_back(name, std::vector<float>(layout.total(), 0.25f));
+      c.optimizer_steps = 7;
+      c.state.step = 7;
+      c.state.epoch_loss_sum = 3.5f;
+      if (p == Precision::FP8) {
+        std::vector<Fp8Meta> metas(ViT::fp8_tensors_of(o.model));
+        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(metas.data());
+        c.fp8_metas.assign(bytes, bytes + metas.size() * sizeof(Fp8Meta));
+      }
+      const fs::path tmp = dir / "tmp";
+      fs::create_directories(tmp);
+      write_checkpoint_files(tmp.string(), o.model, c, run_facts(o.model, o, 1));
+      read_checkpoint(tmp.string(), o, 1);
+      write_file(dir / (std::string("state_") + choice_name(p) + "_" + choice_name(k) + ".safetensors"),
+                 read_file(tmp / "state.safetensors"));
+      fs::remove_all(tmp);
     }
-    const fs::path tmp = dir / "tmp";
-    fs::create_directories(tmp);
-    write_checkpoint_files(tmp.string(), o.model, c, run_facts(o.model, o, 1));
-    read_checkpoint(tmp.string(), o, 1);
-    write_file(dir / (std::string("state_") + choice_name(p) + ".safetensors"), read_file(tmp / "state.safetensors"));
-    fs::remove_all(tmp);
-  }
 }
 
 std::vector<uint8_t> gzip(const std::vector<uint8_t>& raw) {
