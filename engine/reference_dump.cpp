@@ -46,10 +46,12 @@ void dump_reference(Trainer& trainer, const TrainOptions& o) {
   char json[1024];
   std::snprintf(json, sizeof json,
                 "{\"img\": %d, \"patch\": %d, \"channels\": %d, \"classes\": %d, \"dim\": %d, \"depth\": %d, "
-                "\"heads\": %d, \"mlp_ratio\": %.17g, \"batch\": %d, \"lr\": %.17g, \"momentum\": %.17g, "
-                "\"weight_decay\": %.17g, \"nesterov\": %s, \"steps\": %d}\n",
-                c.img, c.patch, c.channels, c.classes, c.dim, c.depth, c.heads, c.mlp_ratio, B, o.lr, o.momentum,
-                o.weight_decay, o.nesterov ? "true" : "false", o.steps);
+                "\"heads\": %d, \"mlp_ratio\": %.17g, \"batch\": %d, \"optimizer\": \"%s\", \"lr\": %.17g, "
+                "\"momentum\": %.17g, \"weight_decay\": %.17g, \"nesterov\": %s, \"betas\": [%.17g, %.17g], "
+                "\"eps\": %.17g, \"steps\": %d}\n",
+                c.img, c.patch, c.channels, c.classes, c.dim, c.depth, c.heads, c.mlp_ratio, B,
+                choice_name(o.optimizer), o.lr, o.momentum, o.weight_decay, o.nesterov ? "true" : "false", o.beta1,
+                o.beta2, o.eps, o.steps);
   write_text_file(dir + "/config.json", json);
   const std::vector<float> init = to_host(model.params(), layout.total(), s);
   write_safetensors(dir + "/init.safetensors", named_tensors(layout, init, ""));
@@ -99,5 +101,8 @@ void dump_reference(Trainer& trainer, const TrainOptions& o) {
     lj += v;
   }
   write_text_file(dir + "/losses.json", lj + "]}\n");
+  trainer.training_step().await_update(s);  // the last update, on the second stream
+  const std::vector<float> final_weights = to_host(model.params(), layout.total(), s);
+  write_safetensors(dir + "/final.safetensors", named_tensors(layout, final_weights, ""));
   std::printf("reference dump: %d steps written to %s\n", o.steps, dir.c_str());
 }

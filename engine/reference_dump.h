@@ -1,6 +1,6 @@
 // --dump-reference DIR: what tools/timm_reference.py needs to check the engine against timm:
 // the initial weights under timm's names, every batch, the step-0 logits, loss and gradients,
-// and the loss of each of --steps SGD steps.
+// the loss of each of --steps optimizer steps (SGD or AdamW) and the weights after them.
 #pragma once
 #include <string>
 

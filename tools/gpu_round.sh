@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU round in one call on the device machine (binaries built beforehand):
 #   1. the GPU test tier (./vit_tests)
-#   2. the reference tier on a small config: engine vs timm (tools/timm_reference.py)
+#   2. the reference tier on a small config: engine vs timm (tools/timm_reference.py), SGD and AdamW
 #   3. the speed round: engine vs PyTorch eager on ViT-H, batch 64 (tools/bench.sh; COMPILE=1 in
 #      the environment: also PyTorch under torch.compile), then the engine's per-phase breakdown
 #      (--timing)
@@ -16,12 +16,13 @@
 # fused attention next to PyTorch's cuDNN and flash backends), packed
 # (Fashion-MNIST through the packed data path end to end, and the loader's images/s).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
-# Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small bench timing ref_h)
+# ref_h_adamw is the reference tier on ViT-H with AdamW.
+# Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small ref_small_adamw bench timing ref_h)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_round}
 mkdir -p "$OUT"
-parts=${*:-tests ref_small bench timing ref_h}
+parts=${*:-tests ref_small ref_small_adamw bench timing ref_h}
 status=0
 run() {  # run NAME COMMAND...: tee the output into $OUT/NAME.log, remember a failure
   local name=$1; shift
@@ -41,6 +42,11 @@ for part in $parts; do
       rm -rf /tmp/ref_small
       run ref_small_dump ./vit_train $SMALL --lr 0.05 --steps 10 --dump-reference /tmp/ref_small
       run ref_small python3 tools/timm_reference.py /tmp/ref_small ;;
+    ref_small_adamw)
+      rm -rf /tmp/ref_small_adamw
+      run ref_small_adamw_dump ./vit_train $SMALL --optimizer adamw --lr 0.001 --weight-decay 0.05 --steps 10 \
+        --dump-reference /tmp/ref_small_adamw
+      run ref_small_adamw python3 tools/timm_reference.py /tmp/ref_small_adamw ;;
     bench) OUT=$OUT run bench tools/bench.sh
       run gemm_rate ./gemm_rate ;;
     timing) run timing ./vit_train --steps 15 --warmup 5 --timing
@@ -111,6 +117,11 @@ save_file({k: v.contiguous() for k, v in m.state_dict().items()}, '/tmp/timm_ini
       rm -rf /tmp/ref_h
       run ref_h_dump ./vit_train --steps 10 --dump-reference /tmp/ref_h
       run ref_h python3 tools/timm_reference.py /tmp/ref_h ;;
+    ref_h_adamw)
+      rm -rf /tmp/ref_h_adamw
+      run ref_h_adamw_dump ./vit_train --steps 10 --optimizer adamw --lr 1e-4 --weight-decay 0.05 \
+        --dump-reference /tmp/ref_h_adamw
+      run ref_h_adamw python3 tools/timm_reference.py /tmp/ref_h_adamw ;;
     *) echo "unknown part $part"; status=1 ;;
   esac
 done

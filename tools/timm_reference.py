@@ -5,18 +5,28 @@ Usage: python3 tools/timm_reference.py DUMP_DIR [--tol-grad X] [--tol-loss X] [-
 
 DUMP_DIR is written by the engine:
   config.json          img, patch, channels, classes, dim, depth, heads, mlp_ratio, batch,
-                       lr, momentum, weight_decay, nesterov, steps
+                       optimizer (sgd or adamw), lr, momentum, weight_decay, nesterov, betas, eps,
+                       steps
   init.safetensors     initial weights, F32, timm state_dict names and shapes
   batches.safetensors  "images.{s}" F32 [B,C,H,W] and "labels.{s}" I64 [B], s = 0..steps-1
   step0.safetensors    the engine's "logits" [B,classes], "loss" [1] and "grad.{name}" on batch 0
-  losses.json          {"losses": [...]}: the engine's loss of each SGD step, taken before its update
+  losses.json          {"losses": [...]}: the engine's loss of each step, taken before its update
+  final.safetensors    the engine's weights after the last step
 
 Part 1 (batch 0, no update): the engine's logits, loss and every parameter gradient against the
 float64 truth, next to PyTorch's own bf16 autocast run of the same model as the yardstick of what
 bf16 rounding costs. A tensor passes if engine_err <= max(3 * autocast_err, tol_grad) and all its
 values are finite.
-Part 2 (training): `steps` SGD steps of timm under bf16 autocast on the same batches; each step's
-loss must agree with the engine's within a bound printed with the table.
+Part 2 (training): `steps` steps of timm under bf16 autocast on the same batches, with the
+engine's optimizer (torch.optim.SGD, or AdamW with timm's parameter groups from
+timm.optim.create_optimizer_v2); each step's loss must agree with the engine's within a bound
+printed with the table. Then the update (final - init) of all weights together against the same
+training in fp32 (no autocast): the engine's relative L2 error must stay within max(3 *
+autocast's own error, --tol-update), autocast's run being the yardstick of what bf16 rounding
+does to the updates. Each tensor's errors are listed too, the worst first; they are not a
+criterion: AdamW normalises each gradient, so where a gradient is mostly rounding noise (the
+attention's key bias has none at all) its weight moves by about lr either way, and a small
+tensor's error swings from seed to seed in autocast's run and the engine's alike.
 
 The last line is `REFERENCE: PASS` (exit 0) or `REFERENCE: FAIL (reasons)` (exit 1).
 """
@@ -191,26 +201,84 @@ def check_step0(model, batches, step0, tol, chunk):
     return reasons
 
 
-def timm_losses(cfg, init, batches, steps):
-    """Part 2: timm trained under bf16 autocast; each step's loss taken before its update."""
+def make_optimizer(cfg, model):
+    """The engine's optimizer: torch.optim.SGD, or timm's AdamW (no decay on 1-D tensors,
+    pos_embed and cls_token)."""
+    if cfg.get("optimizer", "sgd") == "adamw":
+        from timm.optim import create_optimizer_v2
+        return create_optimizer_v2(model, "adamw", lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+                                   betas=tuple(cfg["betas"]), eps=cfg["eps"])
+    return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+                           weight_decay=cfg["weight_decay"], nesterov=bool(cfg["nesterov"]))
+
+
+def timm_training(cfg, init, batches, steps, autocast=True):
+    """Part 2: timm trained (under bf16 autocast, or in fp32); each step's loss taken before its
+    update. Returns the losses and the weights after the last step."""
     model = build_model(cfg, init)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
-                          weight_decay=cfg["weight_decay"], nesterov=bool(cfg["nesterov"]))
+    opt = make_optimizer(cfg, model)
     losses = []
     for s in range(steps):
         images = batches[f"images.{s}"].cuda()
         labels = batches[f"labels.{s}"].cuda().long()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = F.cross_entropy(model(images), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        log(f"  timm step {s}: loss {losses[-1]:.6f}")
-    return losses
+        if autocast:
+            log(f"  timm step {s}: loss {losses[-1]:.6f}")
+    final = {name: t.detach().cpu() for name, t in model.state_dict().items()}
+    del model, opt
+    torch.cuda.empty_cache()
+    return losses, final
 
 
-def check_training(cfg, init, batches, engine_losses, engine_loss0, tol_loss):
+def update_error(init, final, truth):
+    """The relative L2 error of the update (final - init) against truth's."""
+    want = truth.double() - init.double()
+    got = final.double() - init.double()
+    denom = want.norm().item()
+    err = (got - want).norm().item() / denom if denom > 0 else (got - want).norm().item()
+    return err if math.isfinite(err) else float("inf")
+
+
+def check_updates(init, engine_final, autocast_final, truth_final, tol_update):
+    """The update of all weights against fp32 training's: the engine's relative L2 error within
+    max(3 * autocast's, tol_update). Each tensor's, the worst by engine / autocast, listed."""
+    missing = [name for name in truth_final if name not in engine_final]
+    if missing:
+        return [f"final.safetensors lacks {len(missing)} tensors, e.g. {missing[0]}"]
+    rows = []
+    sums = [0.0, 0.0, 0.0]  # |engine - truth|^2, |autocast - truth|^2, |truth update|^2
+    for name, truth in truth_final.items():
+        want = truth.double() - init[name].double()
+        e_diff = (engine_final[name].double() - truth.double()).norm().item() ** 2
+        a_diff = (autocast_final[name].double() - truth.double()).norm().item() ** 2
+        sums[0] += e_diff
+        sums[1] += a_diff
+        sums[2] += want.norm().item() ** 2
+        e = update_error(init[name], engine_final[name], truth)
+        a = update_error(init[name], autocast_final[name], truth)
+        rows.append((e / max(a, 1e-12), name, e, a))
+    rows.sort(key=lambda r: -r[0])
+    log(f"updates (final - init) against fp32 training's, relative L2 error; {WORST_SHOWN} of {len(rows)} "
+        "tensors, the worst by engine / autocast first:")
+    log(f"  {'tensor':<40} {'engine':>10} {'autocast':>10}")
+    for _, name, e, a in rows[:WORST_SHOWN]:
+        log(f"  {name:<40} {e:>10.3e} {a:>10.3e}")
+    total = math.sqrt(sums[2])
+    engine = math.sqrt(sums[0]) / total if total > 0 else float("inf")
+    autocast = math.sqrt(sums[1]) / total if total > 0 else float("inf")
+    limit = max(3 * autocast, tol_update)
+    ok = engine <= limit  # False for NaN
+    log(f"all weights' update: engine {engine:.3e}, autocast {autocast:.3e}, limit {limit:.3e}  "
+        f"{'ok' if ok else 'FAIL'}")
+    return [] if ok else [f"the weights' update differs from fp32 training's by {engine:.3e} (limit {limit:.3e})"]
+
+
+def check_training(cfg, init, batches, engine_losses, engine_loss0, engine_final, tol_loss, tol_update):
     """Part 2. Returns the list of failure reasons (empty on success).
 
     The bound: both runs start from the same weights and see the same batches, and differ only by
@@ -227,9 +295,13 @@ def check_training(cfg, init, batches, engine_losses, engine_loss0, tol_loss):
         reasons.append(f"losses.json has {len(engine_losses)} losses, config.json says {steps} steps")
     steps = min(steps, len(engine_losses))
 
-    log(f"training: {steps} SGD steps of timm under bf16 autocast (lr {cfg['lr']}, momentum "
-        f"{cfg['momentum']}, weight_decay {cfg['weight_decay']}, nesterov {bool(cfg['nesterov'])})")
-    ref = timm_losses(cfg, init, batches, steps)
+    if cfg.get("optimizer", "sgd") == "adamw":
+        log(f"training: {steps} AdamW steps of timm under bf16 autocast (lr {cfg['lr']}, betas "
+            f"{cfg['betas']}, eps {cfg['eps']}, weight_decay {cfg['weight_decay']}, timm's groups)")
+    else:
+        log(f"training: {steps} SGD steps of timm under bf16 autocast (lr {cfg['lr']}, momentum "
+            f"{cfg['momentum']}, weight_decay {cfg['weight_decay']}, nesterov {bool(cfg['nesterov'])})")
+    ref, timm_final = timm_training(cfg, init, batches, steps)
 
     def bound(loss):
         return tol_loss * max(1.0, abs(loss)) + 1e-3
@@ -263,6 +335,10 @@ def check_training(cfg, init, batches, engine_losses, engine_loss0, tol_loss):
         if moved <= bound(ref[0]):
             log(f"note: timm's loss moved by at most {moved:.3e} over the run, within the bound: "
                 "this check cannot detect an error in the update; use more steps or a larger lr")
+    if engine_final is not None and steps == cfg["steps"]:
+        log(f"training: the same {steps} steps in fp32 (no autocast), the updates' truth")
+        _, truth_final = timm_training(cfg, init, batches, steps, autocast=False)
+        reasons += check_updates(init, engine_final, timm_final, truth_final, tol_update)
     return reasons
 
 
@@ -273,6 +349,8 @@ def main():
                         help="floor of the relative-error limit of every tensor (default 2e-2)")
     parser.add_argument("--tol-loss", type=float, default=2e-2,
                         help="relative bound on the per-step loss difference (default 2e-2)")
+    parser.add_argument("--tol-update", type=float, default=2e-2,
+                        help="floor of the limit on each tensor's update's relative L2 error (default 2e-2)")
     parser.add_argument("--truth-chunk", type=int, default=16,
                         help="images per float64 forward/backward (default 16; ~30 GiB for ViT-H)")
     args = parser.parse_args()
@@ -292,6 +370,7 @@ def main():
     init = load_file(path("init.safetensors"))
     batches = load_file(path("batches.safetensors"))
     step0 = load_file(path("step0.safetensors"))
+    engine_final = load_file(path("final.safetensors")) if os.path.exists(path("final.safetensors")) else None
     log(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}")
     log(f"config: {json.dumps(cfg)}")
     log(f"init: {len(init)} tensors, {sum(t.numel() for t in init.values()):,} values")
@@ -316,7 +395,8 @@ def main():
     torch.cuda.empty_cache()
     log("")
     engine_loss0 = step0["loss"].item() if "loss" in step0 else float("nan")
-    reasons += check_training(cfg, init, batches, engine_losses, engine_loss0, args.tol_loss)
+    reasons += check_training(cfg, init, batches, engine_losses, engine_loss0, engine_final, args.tol_loss,
+                              args.tol_update)
     log(f"peak GPU memory {gib(torch.cuda.max_memory_allocated()):.1f} GiB")
 
     if reasons:
