@@ -150,6 +150,8 @@ checkpoints:
   --keep K               the newest K kept (default 3)
   --resume DIR           continue from DIR's newest checkpoint
   --init-from FILE       start from a timm safetensors file (strict load)
+  --eval-only            with --init-from or --resume: no training; top-1 and
+                         top-5 on the dataset's test split, and images/s
 output and profiling:
   --log-every N          a progress line every N steps (default 10)
   --log FILE             append JSON lines (loss, lr, images/s, evaluations,
@@ -289,6 +291,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     if (a == "--help" || a == "-h") { o.help = true; continue; }
     if (a == "--nesterov") { o.nesterov = true; given.insert(a); continue; }
     if (a == "--timing") { o.timing = true; continue; }
+    if (a == "--eval-only") { o.eval_only = true; continue; }
     if (a == "--fp8-stats") { o.fp8_stats = true; continue; }
     if (a == "--no-gemm-autotune") { o.gemm_autotune = false; continue; }
     std::string flag = a, value;
@@ -361,6 +364,17 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     bad("--shard-optimizer on needs the copy-engine exchange in fp32 and no --clip-grad (each rank sees only its "
         "share of the gradients): it takes neither --allreduce nccl, --reduce-dtype bf16, --nccl-window on nor "
         "--clip-grad");
+  if (o.eval_only) {
+    if (o.init_from.empty() && o.resume.empty()) bad("--eval-only needs the weights: --init-from FILE or --resume DIR");
+    if (o.data == DataKind::Synthetic) bad("--eval-only needs a dataset with a test split (--data fashion-mnist or packed)");
+    if (o.data == DataKind::Packed) {
+      struct stat st;
+      if (::stat((o.data_dir + "/val").c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+        bad("--eval-only needs a test split: no " + o.data_dir + "/val directory (pack_images SRC " + o.data_dir + "/val)");
+    }
+    if (!o.save_dir.empty() || !o.dump_reference.empty() || o.timing || o.epochs > 0)
+      bad("--eval-only trains nothing: it takes neither --save, --dump-reference, --timing nor --epochs");
+  }
   if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
   if (given.count("--keep") && o.save_dir.empty()) bad("--keep needs --save DIR");
   for (const char* f : {"--fp8-recipe", "--amax-history", "--fp8-margin"})

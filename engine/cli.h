@@ -78,6 +78,7 @@ struct TrainOptions {
   int profile_first = -1, profile_last = -1;  // --profile-steps A:B, inclusive
   double peak_tflops = 0;                     // 0: known from the device name
   std::string dump_reference;                 // --dump-reference DIR
+  bool eval_only = false;  // --eval-only: the test split's top-1 and top-5 of --init-from or --resume
   bool help = false;
 };
 

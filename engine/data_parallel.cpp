@@ -163,7 +163,10 @@ int run_data_parallel(RunPlan& plan) {
         ctx.peers = peers.get();
         trainer = std::make_unique<Trainer>(plan, ctx);
         if (++built == opts.gpus) plan.initial.reset();  // uploaded by every rank: not needed again
-        trainer->train();
+        if (plan.opts.eval_only)
+          trainer->evaluate_only();
+        else
+          trainer->train();
       } catch (const std::exception& e) {
         const bool usage = dynamic_cast<const UsageError*>(&e) != nullptr;
         const std::string what = "rank " + std::to_string(rank) + ": " + e.what();

@@ -38,7 +38,9 @@ int main(int argc, char** argv) {
     if (data_parallel) return run_data_parallel(plan);
     Trainer trainer(plan);
     plan.initial.reset();  // uploaded: the host copy of the weights is not needed again
-    if (opts.dump_reference.empty())
+    if (opts.eval_only)
+      trainer.evaluate_only();
+    else if (opts.dump_reference.empty())
       trainer.train();
     else
       dump_reference(trainer, plan.opts);

@@ -87,7 +87,7 @@ RunPlan plan_run(const TrainOptions& opts, const ProcessGroup& group) {
       std::fprintf(stderr, "vit_train: note: this run differs from the checkpoint's (%s): the loss sequence will "
                    "differ from the uninterrupted run's\n", list.c_str());
     }
-    if (initial->state.step >= o.steps)
+    if (initial->state.step >= o.steps && !o.eval_only)
       throw UsageError("--resume " + initial->source + ": the checkpoint is at step " +
                        std::to_string(initial->state.step) + " and this run ends at step " + std::to_string(o.steps) +
                        ": nothing is left to run");

@@ -190,6 +190,24 @@ void Trainer::end_step(int step) {
   if (sync_ && opts_.timing && timed) sync_->collect();
 }
 
+void Trainer::evaluate_only() {
+  if (ctx_.logs()) print_summary();
+  const auto t0 = std::chrono::steady_clock::now();
+  const Accuracy acc = evaluate();  // (synchronises)
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double images_s = plan_.test_count / seconds;
+  if (!ctx_.logs()) return;
+  std::printf("\n  eval: test top-1 %.2f%%, top-5 %.2f%% of %d images, %.0f images/s (%s, one pass, %.2f s)\n",
+              100 * acc.top1, 100 * acc.top5, plan_.test_count, images_s, choice_name(opts_.precision), seconds);
+  char j[200];
+  std::snprintf(j, sizeof j, "\"event\": \"eval_only\", \"eval_top1\": %.6f, \"eval_top5\": %.6f, \"images_s\": %.1f",
+                acc.top1, acc.top5, images_s);
+  log_json(j);
+  std::printf("RESULT eval top1=%.6f top5=%.6f img_s=%.1f precision=%s ranks=%d\n", acc.top1, acc.top5, images_s,
+              choice_name(opts_.precision), ctx_.world);
+  std::fflush(stdout);
+}
+
 Trainer::Accuracy Trainer::evaluate() {
   doing("evaluation");
   NvtxRange range("evaluation");

@@ -62,6 +62,9 @@ class Trainer {
     double top1, top5;
   };
   Accuracy evaluate();
+  // --eval-only: the start-up summary, one pass over the test split timed, its top-1 and top-5,
+  // the images/s, and the RESULT line.
+  void evaluate_only();
   // Per rank (rank order), gathered from every rank: checksums of the fp32 master weights and
   // of the bf16 copies the GEMMs read (with a sharded optimizer each rank's copy is written by
   // the shares' owners, so it is checked too).

@@ -95,9 +95,14 @@ void Trainer::print_summary() const {
     std::snprintf(optimizer, sizeof optimizer, "AdamW %s, betas %g,%g, eps %g, weight decay %g (not on norms, biases, "
                   "pos_embed, cls_token)", schedule_.describe().c_str(), opts_.beta1, opts_.beta2, opts_.eps,
                   opts_.weight_decay);
-  std::printf("  training    batch %d%s, %d steps (%d warm-up), seed %llu\n              %s\n", opts_.batch,
-              ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, static_cast<unsigned long long>(opts_.seed),
-              optimizer);
+  if (opts_.eval_only)
+    std::printf("  evaluation  of %s, batch %d%s, no training\n",
+                resumed_from_.empty() ? opts_.init_from.c_str() : resumed_from_.c_str(), opts_.batch,
+                ctx_.world > 1 ? " per rank" : "");
+  else
+    std::printf("  training    batch %d%s, %d steps (%d warm-up), seed %llu\n              %s\n", opts_.batch,
+                ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, static_cast<unsigned long long>(opts_.seed),
+                optimizer);
   std::printf("  model FLOPs %.1f GFLOP per image per training step\n", cfg.train_flops_per_image() / 1e9);
   std::printf("  memory      (allocated once, at start-up)\n");
   size_t total = gemm_workspaces();

@@ -73,6 +73,15 @@ TEST_CASE("cli: --optimizer adamw with torch's defaults; each optimizer's flags 
   CHECK(usage_error({"--optimizer", "adamw", "--eps", "0"}).find("--eps must be between") != std::string::npos);
 }
 
+TEST_CASE("cli: --eval-only needs weights and a test split, and trains nothing") {
+  CHECK(usage_error({"--eval-only"}).find("--eval-only needs the weights: --init-from FILE or --resume DIR") !=
+        std::string::npos);
+  CHECK(usage_error({"--eval-only", "--resume", "/tmp"}).find("--eval-only needs a dataset with a test split") !=
+        std::string::npos);
+  CHECK(usage_error({"--eval-only", "--resume", "/tmp", "--data", "packed:/nonexistent"}).find("no /nonexistent/train") !=
+        std::string::npos);
+}
+
 TEST_CASE("cli: presets and overrides, in any order, with --flag=value too") {
   TrainOptions o = parse({"--dim", "64", "--model", "vit_b16", "--depth=2", "--heads", "4", "--img", "32",
                           "--patch", "8", "--classes", "10", "--mlp-ratio", "2", "--nesterov", "--timing",

@@ -346,3 +346,60 @@ TEST_CASE("gpu: the packed loader's batches are the packed images, in order for 
   fs::remove_all(tree);
   fs::remove_all(out);
 }
+
+namespace {
+// The text after `key` up to the next '%' of the last line that holds it ("" if none).
+std::string last_percent_after(const std::string& out, const std::string& key) {
+  const size_t at = out.rfind(key);
+  if (at == std::string::npos) return "";
+  const size_t from = at + key.size(), to = out.find('%', from);
+  return to == std::string::npos ? "" : out.substr(from, to - from);
+}
+}  // namespace
+
+TEST_CASE("gpu: --eval-only on a saved checkpoint gives the run's last top-1, in bf16 and fp8") {
+  SKIP_WITHOUT_GPU();
+  REQUIRE(access("./pack_images", X_OK) == 0);
+  const fs::path tree = temp_dir("tree_eval"), out = temp_dir("out_eval");
+  FRESH_RNG(rng);
+  for (const char* split : {"train", "val"})
+    for (int i = 0; i < (std::string(split) == "train" ? 96 : 40); ++i) {  // 3 classes: a colour each, noisy
+      std::vector<uint8_t> rgb(8 * 8 * 3);
+      for (size_t k = 0; k < rgb.size(); ++k) rgb[k] = uint8_t((k % 3 == size_t(i % 3) ? 160 : 60) + rng() % 64);
+      write(tree / split / ("c" + std::to_string(i % 3)) / (std::to_string(i) + ".png"), png(8, 8, rgb));
+    }
+  int code = 0;
+  for (const char* split : {"train", "val"}) {
+    run("./pack_images " + (tree / split).string() + " " + (out / split).string() + " --size 8", &code);
+    REQUIRE(code == 0);
+  }
+  const std::string model = "./vit_train --data packed:" + out.string() +
+                            " --img 8 --patch 4 --channels 3 --classes 3 --dim 32 --depth 1 --heads 2 --batch 16 "
+                            "--no-gemm-autotune --attention engine --optimizer adamw --lr 0.003";
+  for (const char* precision : {"bf16", "fp8"}) {
+    CAPTURE(precision);
+    const fs::path ckpt = temp_dir(std::string("ckpt_eval_") + precision);
+    const CommandResult trained = run_command(model + " --precision " + precision + " --steps 12 --warmup 2 --eval-every 12 --save " +
+                                              ckpt.string());
+    CAPTURE(trained.out);
+    REQUIRE(trained.code == 0);
+    const std::string top1 = last_percent_after(trained.out, "test top-1 ");
+    REQUIRE(!top1.empty());
+    const CommandResult resumed = run_command(model + " --precision " + precision + " --eval-only --resume " + ckpt.string());
+    CAPTURE(resumed.out);
+    REQUIRE(resumed.code == 0);
+    CHECK(last_percent_after(resumed.out, "eval: test top-1 ") == top1);
+    CHECK(resumed.out.find("RESULT eval top1=") != std::string::npos);
+    if (std::string(precision) == "bf16") {  // the weights alone: the same logits in bf16
+      const CommandResult weights = run_command(model + " --eval-only --init-from " +
+                                                (ckpt / "step-00000012" / "model.safetensors").string());
+      CAPTURE(weights.out);
+      CHECK(last_percent_after(weights.out, "eval: test top-1 ") == top1);
+    }
+    fs::remove_all(ckpt);
+  }
+  const CommandResult synthetic = run_command("./vit_train --eval-only --init-from /dev/null");
+  CHECK(synthetic.code == 2);
+  fs::remove_all(tree);
+  fs::remove_all(out);
+}
