@@ -128,7 +128,7 @@ FUZZ_TARGETS := safetensors checkpoint_state idx packed_shard image_decode
 FUZZ_BIN := $(FUZZ_TARGETS:%=$(BUILD)/fuzz/fuzz_%)
 FUZZ_LIBS := -lturbojpeg -lpng -lz -lpthread
 FUZZ_SRC_safetensors      := engine/safetensors.cpp engine/regular_file.cpp
-FUZZ_SRC_checkpoint_state := engine/checkpoint_format.cpp engine/safetensors.cpp engine/regular_file.cpp \
+FUZZ_SRC_checkpoint_state := engine/checkpoint_format.cpp engine/resample.cpp engine/safetensors.cpp engine/regular_file.cpp \
                              engine/cli.cpp engine/checkpoint_dir.cpp engine/dataset.cpp model/params.cpp \
                              model/config.cpp
 FUZZ_SRC_idx              := engine/dataset.cpp engine/regular_file.cpp

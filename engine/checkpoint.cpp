@@ -109,7 +109,17 @@ void upload(const InitialState& initial, TrainingStep& training, cudaStream_t st
   ViT& model = training.model();
   const size_t n = model.layout().total();
   ENSURE(initial.params.size() == n, "upload: the initial state was read for another layout");
-  copy_to_device(model.params(), initial.params, stream);
+  const std::vector<ParamTensor>& tensors = model.layout().tensors();
+  ENSURE(initial.loaded.empty() || initial.loaded.size() == tensors.size(), "upload: a tensor mask of another layout");
+  if (std::find(initial.loaded.begin(), initial.loaded.end(), 0) == initial.loaded.end()) {
+    copy_to_device(model.params(), initial.params, stream);
+  } else {  // the tensors not loaded keep the seed's initialisation
+    for (size_t i = 0; i < tensors.size(); ++i)
+      if (initial.loaded[i])
+        CUDA_CHECK(cudaMemcpyAsync(model.params() + tensors[i].offset, initial.params.data() + tensors[i].offset,
+                                   tensors[i].numel * sizeof(float), cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
   Optimizer& optimizer = training.optimizer();
   optimizer.reset(stream);  // zero where the state has none (a timm file)
   for (const Optimizer::StateBuffer& b : optimizer.state())

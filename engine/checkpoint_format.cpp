@@ -11,6 +11,7 @@
 #include "engine/checkpoint_dir.h"
 #include "engine/optimizer.h"
 #include "engine/regular_file.h"
+#include "engine/resample.h"
 #include "kernels/check.h"
 #include "kernels/fp8_scaling.h"
 #include "model/params.h"
@@ -225,25 +226,64 @@ InitialState read_checkpoint(const std::string& path, const TrainOptions& opts, 
   return out;
 }
 
-InitialState read_timm_weights(const std::string& file, const ViTConfig& model) {
+namespace {
+// The file's pos_embed [1, 1 + g^2, D] resampled to the model's [1, 1 + grid^2, D] (the class
+// token's row kept), or an empty vector where the file's is of no such shape.
+std::vector<float> resampled_pos_embed(const SafetensorsFile& f, const SafetensorsFile::Entry& e,
+                                       const ViTConfig& model) {
+  const int64_t dim = model.dim;
+  if (e.shape.size() != 3 || e.shape[0] != 1 || e.shape[2] != dim || e.shape[1] < 2) return {};
+  const int64_t old_grid = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(e.shape[1] - 1))));
+  if (old_grid * old_grid != e.shape[1] - 1 || old_grid > 4096) return {};
+  const std::vector<float> old = finite_f32(f, "pos_embed", e.shape);
+  const std::vector<float> grid(old.begin() + dim, old.end());
+  const int g = model.grid();
+  std::vector<float> out(old.begin(), old.begin() + dim);  // the class token's
+  const std::vector<float> r =
+      resample_bicubic_antialiased(grid, static_cast<int>(old_grid), static_cast<int>(old_grid), model.dim, g, g);
+  out.insert(out.end(), r.begin(), r.end());
+  return out;
+}
+}  // namespace
+
+InitialState read_timm_weights(const std::string& file, const ViTConfig& model, bool reset_head) {
   const SafetensorsFile f(file);
   const ParamLayout layout(model);
   InitialState out;
   out.source = file;
   out.params.assign(layout.total(), 0.0f);
+  out.loaded.assign(layout.tensors().size(), 1);
   std::vector<std::string> missing;
-  for (const ParamTensor& t : layout.tensors()) {
-    if (!f.find(t.name)) {
+  const auto is_head = [](const std::string& name) { return name == "head.weight" || name == "head.bias"; };
+  for (size_t i = 0; i < layout.tensors().size(); ++i) {
+    const ParamTensor& t = layout.tensors()[i];
+    if (reset_head && is_head(t.name)) {
+      out.loaded[i] = 0;
+      continue;
+    }
+    const SafetensorsFile::Entry* e = f.find(t.name);
+    if (!e) {
       missing.push_back(t.name);
       continue;
     }
-    const std::vector<int64_t>& head = f.find(t.name)->shape;
-    if (t.name == "head.weight" && head != t.shape && head.size() == 2 && head[1] == t.shape[1])
-      throw UsageError("--init-from " + file + ": its head has " + std::to_string(head[0]) + " classes, this model " +
-                       std::to_string(model.classes) + " (--classes)");
-    const std::vector<float> w = finite_f32(f, t.name, t.shape);
+    if (t.name == "head.weight" && e->shape != t.shape && e->shape.size() == 2 && e->shape[1] == t.shape[1])
+      throw UsageError("--init-from " + file + ": its head has " + std::to_string(e->shape[0]) + " classes, this model " +
+                       std::to_string(model.classes) + " (--classes): --reset-head starts a new head");
+    std::vector<float> w;
+    if (t.name == "pos_embed" && e->shape != t.shape && !(w = resampled_pos_embed(f, *e, model)).empty()) {
+      const int old_grid = static_cast<int>(std::llround(std::sqrt(static_cast<double>(e->shape[1] - 1))));
+      out.adaptations.push_back("pos_embed resampled from a " + std::to_string(old_grid) + "x" +
+                                std::to_string(old_grid) + " grid to " + std::to_string(model.grid()) + "x" +
+                                std::to_string(model.grid()) + " (bicubic, antialiased, as timm)");
+    } else {
+      w = finite_f32(f, t.name, t.shape);
+    }
     std::copy(w.begin(), w.end(), out.params.begin() + t.offset);
   }
+  if (reset_head)
+    out.adaptations.push_back(std::string("a new head of ") + std::to_string(model.classes) + " classes (" +
+                              (f.find("head.weight") ? "the file's left out" : "the file has none") +
+                              "), initialised as timm does");
   std::vector<std::string> unexpected;
   for (const auto& [name, e] : f.tensors())
     if (layout.find(name) < 0) unexpected.push_back(name);
@@ -251,7 +291,9 @@ InitialState read_timm_weights(const std::string& file, const ViTConfig& model) 
     std::string msg = "--init-from " + file + " does not match this model (timm's strict load):";
     if (!missing.empty()) msg += " " + std::to_string(missing.size()) + " missing, e.g. " + missing[0] + ";";
     if (!unexpected.empty()) msg += " " + std::to_string(unexpected.size()) + " unexpected, e.g. " + unexpected[0] + ";";
-    throw UsageError(msg + " check --model and the shape flags");
+    const bool headless = missing.size() <= 2 && std::all_of(missing.begin(), missing.end(), is_head);
+    throw UsageError(msg + (headless ? " a headless model (num_classes=0): --reset-head starts a new head"
+                                     : " check --model and the shape flags"));
   }
   return out;
 }

@@ -22,6 +22,9 @@ struct InitialState {
   std::string source;    // the checkpoint's directory, or the file
   bool resumed = false;  // a checkpoint (--resume), else a timm file (--init-from)
   std::vector<float> params;  // in the layout's order (model/params.h)
+  // Per layout tensor: whether params holds it (a new head under --reset-head keeps the seed's
+  // initialisation, as timm initialises one); empty: every tensor.
+  std::vector<char> loaded;
   // The optimizer's state buffers by name (engine/optimizer.h's optimizer_state_names), each in
   // the layout's order; none for a timm file. AdamW's updates made (its bias correction's t).
   std::vector<std::pair<std::string, std::vector<float>>> optimizer_state;
@@ -32,6 +35,8 @@ struct InitialState {
   // What a resumed run does differently from the checkpoint's (a batch, a seed, a schedule):
   // its loss sequence differs from the uninterrupted run's. One line each, for stderr.
   std::vector<std::string> differences;
+  // What a timm file needed to fit the model (a position embedding resampled, a head reset).
+  std::vector<std::string> adaptations;
 };
 
 // The facts a checkpoint records about its run (state.safetensors' run.shape), in order: the
@@ -64,6 +69,11 @@ InitialState read_checkpoint(const std::string& path, const TrainOptions& opts, 
 InitialState read_checkpoint_files(const std::string& path, const SafetensorsFile& state,
                                    const SafetensorsFile& weights, const TrainOptions& opts, int world);
 // Reads a timm safetensors file (e.g. a pretrained model): every tensor of the model must be
-// there with its shape, in F32, BF16 or F16, finite, and nothing else (timm's strict load).
-// Throws UsageError where it does not fit the model, RuntimeError where it is damaged.
-InitialState read_timm_weights(const std::string& file, const ViTConfig& model);
+// there with its shape, in F32, BF16 or F16, finite, and nothing else (timm's strict load), but
+// for what fine-tuning changes, as timm's own loading adapts it: a position embedding of
+// another patch grid (another image size) is resampled as timm.layers.resample_abs_pos_embed
+// does; with reset_head (--reset-head) the file's head, of any class count or none (a model
+// saved with num_classes=0), is left out and the model's own initialisation kept. Throws
+// UsageError where it does not fit the model (naming the tensor), RuntimeError where it is
+// damaged.
+InitialState read_timm_weights(const std::string& file, const ViTConfig& model, bool reset_head = false);

@@ -149,7 +149,10 @@ checkpoints:
   --save-every N         every N steps (default: at the end only)
   --keep K               the newest K kept (default 3)
   --resume DIR           continue from DIR's newest checkpoint
-  --init-from FILE       start from a timm safetensors file (strict load)
+  --init-from FILE       start from a timm safetensors file (strict load; a
+                         position embedding of another grid is resampled)
+  --reset-head           with --init-from: a new head, initialised as timm does
+                         (the file's has another class count, or none)
   --eval-only            with --init-from or --resume: no training; top-1 and
                          top-5 on the dataset's test split, and images/s
 output and profiling:
@@ -292,6 +295,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     if (a == "--nesterov") { o.nesterov = true; given.insert(a); continue; }
     if (a == "--timing") { o.timing = true; continue; }
     if (a == "--eval-only") { o.eval_only = true; continue; }
+    if (a == "--reset-head") { o.reset_head = true; continue; }
     if (a == "--fp8-stats") { o.fp8_stats = true; continue; }
     if (a == "--no-gemm-autotune") { o.gemm_autotune = false; continue; }
     std::string flag = a, value;
@@ -364,6 +368,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
     bad("--shard-optimizer on needs the copy-engine exchange in fp32 and no --clip-grad (each rank sees only its "
         "share of the gradients): it takes neither --allreduce nccl, --reduce-dtype bf16, --nccl-window on nor "
         "--clip-grad");
+  if (o.reset_head && o.init_from.empty()) bad("--reset-head needs --init-from FILE (the weights it fine-tunes)");
   if (o.eval_only) {
     if (o.init_from.empty() && o.resume.empty()) bad("--eval-only needs the weights: --init-from FILE or --resume DIR");
     if (o.data == DataKind::Synthetic) bad("--eval-only needs a dataset with a test split (--data fashion-mnist or packed)");

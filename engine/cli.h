@@ -71,6 +71,7 @@ struct TrainOptions {
   int keep = 3;           // checkpoints kept
   std::string resume;     // --resume DIR: continue from its newest checkpoint
   std::string init_from;  // --init-from FILE: timm safetensors weights
+  bool reset_head = false;  // --reset-head: with --init-from, a new head (another class count)
   // Output and profiling.
   int log_every = 10;
   std::string log_file;  // --log FILE: JSON-lines metrics (appended)

@@ -93,7 +93,10 @@ RunPlan plan_run(const TrainOptions& opts, const ProcessGroup& group) {
                        ": nothing is left to run");
     p.initial = std::move(initial);
   } else if (!o.init_from.empty()) {
-    p.initial = std::make_shared<const InitialState>(read_timm_weights(o.init_from, o.model));
+    p.initial = std::make_shared<const InitialState>(read_timm_weights(o.init_from, o.model, o.reset_head));
+    if (p.logs())
+      for (const std::string& a : p.initial->adaptations)
+        std::fprintf(stderr, "vit_train: note: --init-from %s: %s\n", o.init_from.c_str(), a.c_str());
   }
 
   // Checked now, not after the run; nothing is created until the run starts.

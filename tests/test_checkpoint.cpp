@@ -8,18 +8,22 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "kernels/check.h"
 #include "engine/checkpoint.h"
+#include "engine/resample.h"
 #include "engine/safetensors.h"
+#include "model/params.h"
 #include "tests/harness.h"
 #include "tests/shell.h"
 
@@ -202,6 +206,94 @@ TEST_CASE("checkpoint: a resumed run's changed seed, data, schedule or optimizer
   CHECK(resume_differences("step 10\nseed 7\n", other).empty());
   other.seed = 9;
   CHECK(resume_differences("step 10\nseed 7\n", other) == std::vector<std::string>{"seed 7 -> seed 9"});
+}
+
+TEST_CASE("resample: bicubic with antialiasing keeps constants, the identity, and lines inside the grid") {
+  const std::vector<float> flat(5 * 7 * 2, 0.25f);
+  for (float v : resample_bicubic_antialiased(flat, 5, 7, 2, 9, 3)) CHECK(v == doctest::Approx(0.25f).epsilon(1e-6));
+  std::vector<float> ramp(6 * 6);
+  for (int y = 0; y < 6; ++y)
+    for (int x = 0; x < 6; ++x) ramp[y * 6 + x] = float(0.5 * x - 0.25 * y);
+  CHECK(resample_bicubic_antialiased(ramp, 6, 6, 1, 6, 6) == ramp);
+  // Upsampled 6 -> 12: output i sits at input coordinate (i + 0.5) / 2 - 0.5; where all four
+  // taps lie inside the grid the cubic (a = -0.5) reproduces a line exactly.
+  const std::vector<float> up = resample_bicubic_antialiased(ramp, 6, 6, 1, 12, 12);
+  for (int y = 3; y <= 8; ++y)
+    for (int x = 3; x <= 8; ++x) {
+      const double u = (x + 0.5) / 2 - 0.5, v = (y + 0.5) / 2 - 0.5;
+      CHECK(up[y * 12 + x] == doctest::Approx(0.5 * u - 0.25 * v).epsilon(1e-6));
+    }
+}
+
+TEST_CASE("init-from: another image size resamples pos_embed; --reset-head takes another head or none") {
+  const fs::path d = temp_dir("finetune");
+  ViTConfig saved;  // 32 px in patches of 8: a 4 x 4 grid, 10 classes
+  saved.name = "test";
+  saved.img = 32;
+  saved.patch = 8;
+  saved.classes = 10;
+  saved.dim = 16;
+  saved.depth = 1;
+  saved.heads = 2;
+  const ParamLayout layout(saved);
+  std::vector<float> values(layout.total());
+  for (size_t i = 0; i < values.size(); ++i) values[i] = float(std::sin(0.1 * i));
+  auto write_file = [&](const std::string& path, bool with_head) {
+    std::vector<StTensor> t;
+    for (const ParamTensor& p : layout.tensors())
+      if (with_head || p.name.rfind("head.", 0) != 0)
+        t.push_back({p.name, "F32", p.shape, values.data() + p.offset, p.numel * sizeof(float)});
+    write_safetensors(path, t);
+  };
+  const std::string full = (d / "full.safetensors").string(), headless = (d / "headless.safetensors").string();
+  write_file(full, true);
+  write_file(headless, false);
+  ViTConfig target = saved;  // 48 px: a 6 x 6 grid, 3 classes
+  target.img = 48;
+  target.classes = 3;
+  auto usage_error = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(usage_error([&] { read_timm_weights(full, target); }).find("its head has 10 classes, this model 3 (--classes): "
+                                                                   "--reset-head starts a new head") != std::string::npos);
+  CHECK(usage_error([&] { read_timm_weights(headless, target); }).find("a headless model (num_classes=0): --reset-head") !=
+        std::string::npos);
+  for (const std::string& file : {full, headless}) {
+    CAPTURE(file);
+    const InitialState s = read_timm_weights(file, target, true);
+    const ParamLayout tl(target);
+    const ParamTensor& pos = tl.at(tl.pos_embed);
+    CHECK(pos.shape == std::vector<int64_t>{1, 37, 16});
+    const ParamTensor& old_pos = layout.at(layout.pos_embed);
+    for (int c = 0; c < 16; ++c) CHECK(s.params[pos.offset + c] == values[old_pos.offset + c]);  // the class token's row
+    const std::vector<float> grid(values.begin() + old_pos.offset + 16, values.begin() + old_pos.offset + 17 * 16);
+    const std::vector<float> want = resample_bicubic_antialiased(grid, 4, 4, 16, 6, 6);
+    CHECK(std::equal(want.begin(), want.end(), s.params.begin() + pos.offset + 16));
+    CHECK(s.loaded[tl.head_w] == 0);
+    CHECK(s.loaded[tl.head_b] == 0);
+    CHECK(s.loaded[tl.pos_embed] == 1);
+    REQUIRE(s.adaptations.size() == 2);
+    CHECK(s.adaptations[0] == "pos_embed resampled from a 4x4 grid to 6x6 (bicubic, antialiased, as timm)");
+    const ParamTensor& qkv = tl.at(tl.blocks[0].qkv_w);  // the rest as saved
+    CHECK(s.params[qkv.offset + 7] == values[layout.at(layout.blocks[0].qkv_w).offset + 7]);
+  }
+  // Another patch size is not adapted: the tensor is named.
+  ViTConfig patch4 = target;
+  patch4.patch = 4;
+  std::string e;
+  try {
+    read_timm_weights(full, patch4, true);
+  } catch (const std::runtime_error& x) {
+    e = x.what();
+  }
+  CHECK(e.find("tensor patch_embed.proj.weight has shape [16, 3, 8, 8], the model needs [16, 3, 4, 4]") !=
+        std::string::npos);
+  fs::remove_all(d);
 }
 
 TEST_CASE("resumed_losses_mismatch: the resumed run's progress lines against the whole run's last ones") {

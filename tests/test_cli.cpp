@@ -73,6 +73,10 @@ TEST_CASE("cli: --optimizer adamw with torch's defaults; each optimizer's flags 
   CHECK(usage_error({"--optimizer", "adamw", "--eps", "0"}).find("--eps must be between") != std::string::npos);
 }
 
+TEST_CASE("cli: --reset-head only with --init-from") {
+  CHECK(usage_error({"--reset-head"}).find("--reset-head needs --init-from FILE") != std::string::npos);
+}
+
 TEST_CASE("cli: --eval-only needs weights and a test split, and trains nothing") {
   CHECK(usage_error({"--eval-only"}).find("--eval-only needs the weights: --init-from FILE or --resume DIR") !=
         std::string::npos);
