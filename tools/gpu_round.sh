@@ -16,7 +16,8 @@
 # fused attention next to PyTorch's cuDNN and flash backends), packed
 # (Fashion-MNIST through the packed data path end to end, and the loader's images/s).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
-# ref_h_adamw is the reference tier on ViT-H with AdamW.
+# ref_h_adamw is the reference tier on ViT-H with AdamW; finetune and finetune_h check --init-from
+# with --reset-head and another image size against timm's own loading (tools/finetune_check.py).
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small ref_small_adamw bench timing ref_h)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -117,6 +118,8 @@ save_file({k: v.contiguous() for k, v in m.state_dict().items()}, '/tmp/timm_ini
       rm -rf /tmp/ref_h
       run ref_h_dump ./vit_train --steps 10 --dump-reference /tmp/ref_h
       run ref_h python3 tools/timm_reference.py /tmp/ref_h ;;
+    finetune) run finetune python3 tools/finetune_check.py --model small ;;
+    finetune_h) run finetune_h python3 tools/finetune_check.py --model vit_h16 ;;
     ref_h_adamw)
       rm -rf /tmp/ref_h_adamw
       run ref_h_adamw_dump ./vit_train --steps 10 --optimizer adamw --lr 1e-4 --weight-decay 0.05 \
