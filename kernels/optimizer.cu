@@ -7,8 +7,21 @@
 namespace {
 constexpr int kThreads = 256;
 
-// received: `peers` arrays of the peers' copies of this share (stride4 apart), added to the
-// gradient in order.
+// The gradient's four elements at i: the own, plus `peers` arrays of the peers' copies of this
+// share (stride4 apart) added in sum_into's order, the own share first, then each peer's.
+__device__ __forceinline__ void load_gradient(float (&gv)[4], const float4* __restrict__ g,
+                                              const float4* __restrict__ received, size_t stride4, int peers,
+                                              size_t i) {
+  *reinterpret_cast<float4*>(gv) = g[i];
+  for (int s = 0; s < peers; ++s) {
+    const float4 r = received[s * stride4 + i];
+    gv[0] += r.x;
+    gv[1] += r.y;
+    gv[2] += r.z;
+    gv[3] += r.w;
+  }
+}
+
 __global__ void sgd_kernel(float4* __restrict__ p, float4* __restrict__ buf, const float4* __restrict__ g,
                            const float4* __restrict__ received, size_t stride4, int peers,
                            __nv_bfloat162* __restrict__ p_bf16, size_t n4, SgdHyper h, bool first_step, const int* __restrict__ skip,
@@ -20,14 +33,7 @@ __global__ void sgd_kernel(float4* __restrict__ p, float4* __restrict__ buf, con
     float pv[4], bv[4], gv[4];
     *reinterpret_cast<float4*>(pv) = p[i];
     *reinterpret_cast<float4*>(bv) = buf[i];
-    *reinterpret_cast<float4*>(gv) = g[i];
-    for (int s = 0; s < peers; ++s) {  // sum_into's order: the own share first, then each peer's
-      const float4 r = received[s * stride4 + i];
-      gv[0] += r.x;
-      gv[1] += r.y;
-      gv[2] += r.z;
-      gv[3] += r.w;
-    }
+    load_gradient(gv, g, received, stride4, peers, i);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float d = clip * gv[j] + h.weight_decay * pv[j];
@@ -83,14 +89,7 @@ __global__ void adamw_kernel(float4* __restrict__ p, float4* __restrict__ m, flo
     *reinterpret_cast<float4*>(pv) = p[i];
     *reinterpret_cast<float4*>(mv) = m[i];
     *reinterpret_cast<float4*>(vv) = v[i];
-    *reinterpret_cast<float4*>(gv) = g[i];
-    for (int s = 0; s < peers; ++s) {  // sum_into's order: the own share first, then each peer's
-      const float4 r = received[s * stride4 + i];
-      gv[0] += r.x;
-      gv[1] += r.y;
-      gv[2] += r.z;
-      gv[3] += r.w;
-    }
+    load_gradient(gv, g, received, stride4, peers, i);
     const bool decayed = decay.flags[(decay.first + 4 * i) >> decay.chunk_shift] != 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

@@ -21,17 +21,9 @@
 #include "kernels/random.h"
 #include "tools/block_shape_args.h"
 #include "kernels/event_timing.h"
+#include "tools/device_alloc.h"
 
 using bf16 = __nv_bfloat16;
-
-namespace {
-template <class T>
-T* device_alloc(size_t n) {
-  T* p = nullptr;
-  CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
-  return p;
-}
-}  // namespace
 
 int main(int argc, char** argv) {
   BlockShape shape;

@@ -18,15 +18,7 @@
 #include "kernels/random.h"
 #include "model/config.h"
 #include "model/params.h"
-
-namespace {
-template <class T>
-T* device_alloc(size_t n) {
-  T* p = nullptr;
-  CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
-  return p;
-}
-}  // namespace
+#include "tools/device_alloc.h"
 
 int main(int argc, char** argv) {
   ViTConfig cfg;
