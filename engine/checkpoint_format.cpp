@@ -1,5 +1,8 @@
 #include "engine/checkpoint_format.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -98,6 +101,12 @@ namespace {
 // run.txt is a few lines; anything larger is not this engine's.
 constexpr size_t kMaxRunTextBytes = 1 << 16;
 
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string t = "[";
+  for (size_t i = 0; i < shape.size(); ++i) t += (i ? ", " : "") + std::to_string(shape[i]);
+  return t + "]";
+}
+
 [[noreturn]] void bad_tensor(const SafetensorsFile& f, const std::string& name, const std::string& what) {
   throw RuntimeError(f.path() + ": tensor " + name + " " + what);
 }
@@ -107,11 +116,8 @@ const SafetensorsFile::Entry& expect_tensor(const SafetensorsFile& f, const std:
                                             const std::vector<int64_t>& shape) {
   const SafetensorsFile::Entry* e = f.find(name);
   if (!e) throw RuntimeError(f.path() + " has no tensor " + name + ": not a checkpoint of this engine, or damaged");
-  if (e->dtype != dtype || e->shape != shape) {
-    std::string want = std::string(dtype) + " [";
-    for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + std::to_string(shape[i]);
-    bad_tensor(f, name, "is not " + want + "]: not a checkpoint of this engine, or damaged");
-  }
+  if (e->dtype != dtype || e->shape != shape)
+    bad_tensor(f, name, "is not " + std::string(dtype) + " " + shape_text(shape) + ": not a checkpoint of this engine, or damaged");
   return *e;
 }
 
@@ -140,6 +146,32 @@ void check_fp8_metas(const SafetensorsFile& f, const std::vector<uint8_t>& bytes
     for (const float h : m.history)
       if (!(std::isfinite(h) && h >= 0)) bad("an amax history entry", h);
   }
+}
+}  // namespace
+
+namespace {
+// The FP8 scaling state (in fp8), the step and the epoch's running loss, read into out.
+InitialState finish_reading_state(const SafetensorsFile& st, const TrainOptions& opts, InitialState out) {
+  if (opts.precision == Precision::FP8) {
+    const size_t meta_bytes = ViT::fp8_tensors_of(opts.model) * sizeof(Fp8Meta);
+    const SafetensorsFile::Entry& metas = expect_tensor(st, "fp8.metas", "U8", {static_cast<int64_t>(meta_bytes)});
+    const SafetensorsFile::Entry& skipped = expect_tensor(st, "fp8.skipped", "I32", {2});
+    out.fp8_metas.assign(st.data(metas), st.data(metas) + meta_bytes);
+    check_fp8_metas(st, out.fp8_metas);
+    std::memcpy(out.fp8_skipped, st.data(skipped), 8);
+    if (out.fp8_skipped[0] < 0 || out.fp8_skipped[1] < 0)
+      bad_tensor(st, "fp8.skipped", "holds a negative count (corrupted?)");
+  }
+
+  int64_t step = 0;
+  std::memcpy(&step, st.data(expect_tensor(st, "run.step", "I64", {1})), 8);
+  if (step < 0 || step > kMaxCheckpointStep)
+    bad_tensor(st, "run.step", "records step " + std::to_string(step) + " (corrupted?)");
+  out.state.step = static_cast<int>(step);
+  // (May be NaN: an FP8 step skipped for a non-finite loss still adds it; it feeds only the
+  // epoch's report.)
+  std::memcpy(&out.state.epoch_loss_sum, st.data(expect_tensor(st, "run.epoch_loss_sum", "F32", {1})), 4);
+  return out;
 }
 }  // namespace
 
@@ -172,7 +204,8 @@ InitialState read_checkpoint_files(const std::string& path, const SafetensorsFil
     const std::vector<float> w = finite_f32(weights, t.name, t.shape);
     std::copy(w.begin(), w.end(), out.params.begin() + t.offset);
   }
-  // The optimizer's state: this run's optimizer must be the checkpoint's.
+  // The optimizer's state: this run's optimizer must be the checkpoint's (--eval-only needs none).
+  if (opts.eval_only) return finish_reading_state(st, opts, std::move(out));
   const std::string first = layout.tensors().front().name;
   for (const OptimizerKind other : {OptimizerKind::Sgd, OptimizerKind::AdamW})
     if (other != opts.optimizer && !st.find(optimizer_state_names(opts.optimizer)[0] + "." + first) &&
@@ -192,26 +225,7 @@ InitialState read_checkpoint_files(const std::string& path, const SafetensorsFil
     if (out.optimizer_steps < 0 || out.optimizer_steps > kMaxCheckpointStep)
       bad_tensor(st, "optimizer.steps", "records " + std::to_string(out.optimizer_steps) + " updates (corrupted?)");
   }
-  if (opts.precision == Precision::FP8) {
-    const size_t meta_bytes = ViT::fp8_tensors_of(opts.model) * sizeof(Fp8Meta);
-    const SafetensorsFile::Entry& metas = expect_tensor(st, "fp8.metas", "U8", {static_cast<int64_t>(meta_bytes)});
-    const SafetensorsFile::Entry& skipped = expect_tensor(st, "fp8.skipped", "I32", {2});
-    out.fp8_metas.assign(st.data(metas), st.data(metas) + meta_bytes);
-    check_fp8_metas(st, out.fp8_metas);
-    std::memcpy(out.fp8_skipped, st.data(skipped), 8);
-    if (out.fp8_skipped[0] < 0 || out.fp8_skipped[1] < 0)
-      bad_tensor(st, "fp8.skipped", "holds a negative count (corrupted?)");
-  }
-
-  int64_t step = 0;
-  std::memcpy(&step, st.data(expect_tensor(st, "run.step", "I64", {1})), 8);
-  if (step < 0 || step > kMaxCheckpointStep)
-    bad_tensor(st, "run.step", "records step " + std::to_string(step) + " (corrupted?)");
-  out.state.step = static_cast<int>(step);
-  // (May be NaN: an FP8 step skipped for a non-finite loss still adds it; it feeds only the
-  // epoch's report.)
-  std::memcpy(&out.state.epoch_loss_sum, st.data(expect_tensor(st, "run.epoch_loss_sum", "F32", {1})), 4);
-  return out;
+  return finish_reading_state(st, opts, std::move(out));
 }
 
 InitialState read_checkpoint(const std::string& path, const TrainOptions& opts, int world) {
@@ -228,20 +242,30 @@ InitialState read_checkpoint(const std::string& path, const TrainOptions& opts, 
 
 namespace {
 // The file's pos_embed [1, 1 + g^2, D] resampled to the model's [1, 1 + grid^2, D] (the class
-// token's row kept), or an empty vector where the file's is of no such shape.
+// token's row kept), rounded to the file's dtype as timm's resample_abs_pos_embed rounds it;
+// the old grid's side in *old_grid. Throws UsageError where the file's is of no such shape.
 std::vector<float> resampled_pos_embed(const SafetensorsFile& f, const SafetensorsFile::Entry& e,
-                                       const ViTConfig& model) {
+                                       const ViTConfig& model, int* old_grid) {
   const int64_t dim = model.dim;
-  if (e.shape.size() != 3 || e.shape[0] != 1 || e.shape[2] != dim || e.shape[1] < 2) return {};
-  const int64_t old_grid = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(e.shape[1] - 1))));
-  if (old_grid * old_grid != e.shape[1] - 1 || old_grid > 4096) return {};
+  const int64_t side = e.shape.size() == 3 && e.shape[1] >= 2
+                           ? static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(e.shape[1] - 1))))
+                           : 0;
+  if (e.shape.size() != 3 || e.shape[0] != 1 || e.shape[2] != dim || side * side != e.shape[1] - 1 || side > 4096)
+    throw UsageError("--init-from " + f.path() + ": tensor pos_embed has shape " + shape_text(e.shape) +
+                     ", the model needs " + shape_text({1, model.tokens(), dim}) +
+                     " (only a class token and a square grid of the model's width are resampled)");
   const std::vector<float> old = finite_f32(f, "pos_embed", e.shape);
   const std::vector<float> grid(old.begin() + dim, old.end());
   const int g = model.grid();
   std::vector<float> out(old.begin(), old.begin() + dim);  // the class token's
-  const std::vector<float> r =
-      resample_bicubic_antialiased(grid, static_cast<int>(old_grid), static_cast<int>(old_grid), model.dim, g, g);
+  std::vector<float> r =
+      resample_bicubic_antialiased(grid, static_cast<int>(side), static_cast<int>(side), model.dim, g, g);
+  for (float& v : r)
+    v = e.dtype == "BF16" ? __bfloat162float(__float2bfloat16_rn(v))
+        : e.dtype == "F16" ? __half2float(__float2half_rn(v))
+                           : v;
   out.insert(out.end(), r.begin(), r.end());
+  *old_grid = static_cast<int>(side);
   return out;
 }
 }  // namespace
@@ -270,8 +294,9 @@ InitialState read_timm_weights(const std::string& file, const ViTConfig& model, 
       throw UsageError("--init-from " + file + ": its head has " + std::to_string(e->shape[0]) + " classes, this model " +
                        std::to_string(model.classes) + " (--classes): --reset-head starts a new head");
     std::vector<float> w;
-    if (t.name == "pos_embed" && e->shape != t.shape && !(w = resampled_pos_embed(f, *e, model)).empty()) {
-      const int old_grid = static_cast<int>(std::llround(std::sqrt(static_cast<double>(e->shape[1] - 1))));
+    int old_grid = 0;
+    if (t.name == "pos_embed" && e->shape != t.shape) {
+      w = resampled_pos_embed(f, *e, model, &old_grid);
       out.adaptations.push_back("pos_embed resampled from a " + std::to_string(old_grid) + "x" +
                                 std::to_string(old_grid) + " grid to " + std::to_string(model.grid()) + "x" +
                                 std::to_string(model.grid()) + " (bicubic, antialiased, as timm)");

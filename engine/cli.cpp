@@ -377,8 +377,9 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       if (::stat((o.data_dir + "/val").c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
         bad("--eval-only needs a test split: no " + o.data_dir + "/val directory (pack_images SRC " + o.data_dir + "/val)");
     }
-    if (!o.save_dir.empty() || !o.dump_reference.empty() || o.timing || o.epochs > 0)
-      bad("--eval-only trains nothing: it takes neither --save, --dump-reference, --timing nor --epochs");
+    if (!o.save_dir.empty() || !o.dump_reference.empty() || o.timing || o.epochs > 0 || o.reset_head)
+      bad("--eval-only trains nothing: it takes neither --save, --dump-reference, --timing, --epochs nor "
+          "--reset-head (a new head is untrained)");
   }
   if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
   if (given.count("--keep") && o.save_dir.empty()) bad("--keep needs --save DIR");

@@ -81,7 +81,7 @@ RunPlan plan_run(const TrainOptions& opts, const ProcessGroup& group) {
 
   if (!o.resume.empty()) {
     auto initial = std::make_shared<InitialState>(read_checkpoint(latest_checkpoint(o.resume), o, p.world));
-    if (p.logs() && !initial->differences.empty()) {
+    if (p.logs() && !initial->differences.empty() && !o.eval_only) {
       std::string list;
       for (const std::string& d : initial->differences) list += (list.empty() ? "" : "; ") + d;
       std::fprintf(stderr, "vit_train: note: this run differs from the checkpoint's (%s): the loss sequence will "

@@ -96,7 +96,7 @@ __global__ void adamw_kernel(float4* __restrict__ p, float4* __restrict__ m, flo
       const float grad = clip * gv[j];
       if (decayed) pv[j] *= decay_factor;
       mv[j] = mv[j] + w1 * (grad - mv[j]);  // torch.lerp with a weight below 0.5
-      vv[j] = __fmul_rn(vv[j], beta2) + w2 * grad * grad;  // (two roundings, as torch's mul_ then addcmul_)
+      vv[j] = __fmul_rn(vv[j], beta2) + w2 * (grad * grad);  // torch's mul_, then its foreach addcmul_
       const float denom = sqrtf(vv[j]) / bc2_sqrt + eps;
       pv[j] += -step_size * (mv[j] / denom);
     }

@@ -282,6 +282,40 @@ TEST_CASE("init-from: another image size resamples pos_embed; --reset-head takes
     const ParamTensor& qkv = tl.at(tl.blocks[0].qkv_w);  // the rest as saved
     CHECK(s.params[qkv.offset + 7] == values[layout.at(layout.blocks[0].qkv_w).offset + 7]);
   }
+  // A bf16 file: the resampled embedding rounded to bf16, as timm rounds it back to the file's dtype.
+  {
+    std::vector<uint16_t> bf(values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      uint32_t b;
+      std::memcpy(&b, &values[i], 4);
+      bf[i] = uint16_t(b >> 16);  // (truncated: any bf16 values do)
+    }
+    std::vector<StTensor> t;
+    for (const ParamTensor& p : layout.tensors())
+      t.push_back({p.name, "BF16", p.shape, bf.data() + p.offset, p.numel * 2});
+    const std::string path = (d / "bf16.safetensors").string();
+    write_safetensors(path, t);
+    const InitialState s = read_timm_weights(path, target, true);
+    const ParamLayout tl(target);
+    const ParamTensor& pos = tl.at(tl.pos_embed);
+    for (size_t i = pos.offset; i < pos.offset + pos.numel; ++i) {
+      uint32_t b;
+      std::memcpy(&b, &s.params[i], 4);
+      REQUIRE((b & 0xFFFF) == 0);
+    }
+  }
+  // A position embedding of no square grid: refused, naming it.
+  {
+    std::vector<StTensor> t;
+    std::vector<float> odd(values);
+    for (const ParamTensor& p : layout.tensors())
+      t.push_back({p.name, "F32", p.name == "pos_embed" ? std::vector<int64_t>{1, 16, 16} : p.shape,
+                   odd.data() + p.offset, (p.name == "pos_embed" ? 16 * 16 : p.numel) * sizeof(float)});
+    const std::string path = (d / "odd.safetensors").string();
+    write_safetensors(path, t);
+    CHECK(usage_error([&] { read_timm_weights(path, target, true); })
+              .find("tensor pos_embed has shape [1, 16, 16], the model needs [1, 37, 16]") != std::string::npos);
+  }
   // Another patch size is not adapted: the tensor is named.
   ViTConfig patch4 = target;
   patch4.patch = 4;
@@ -293,6 +327,42 @@ TEST_CASE("init-from: another image size resamples pos_embed; --reset-head takes
   }
   CHECK(e.find("tensor patch_embed.proj.weight has shape [16, 3, 8, 8], the model needs [16, 3, 4, 4]") !=
         std::string::npos);
+  fs::remove_all(d);
+}
+
+TEST_CASE("checkpoint: --eval-only reads a checkpoint of either optimizer, its state left out") {
+  const fs::path d = temp_dir("eval_state");
+  TrainOptions o;
+  o.model.name = "test";
+  o.model.img = 8;
+  o.model.patch = 4;
+  o.model.classes = 3;
+  o.model.dim = 8;
+  o.model.depth = 1;
+  o.model.heads = 2;
+  o.optimizer = OptimizerKind::AdamW;
+  const ParamLayout layout(o.model);
+  InitialState c;
+  c.params.assign(layout.total(), 0.5f);
+  c.optimizer_state = {{"exp_avg", std::vector<float>(layout.total(), 0.1f)},
+                       {"exp_avg_sq", std::vector<float>(layout.total(), 0.2f)}};
+  c.optimizer_steps = 3;
+  c.state.step = 3;
+  write_checkpoint_files(d.string(), o.model, c, run_facts(o.model, o, 1));
+  TrainOptions sgd = o;
+  sgd.optimizer = OptimizerKind::Sgd;
+  std::string e;
+  try {
+    read_checkpoint(d.string(), sgd, 1);
+  } catch (const UsageError& x) {
+    e = x.what();
+  }
+  CHECK(e.find("the checkpoint holds adamw's state, this run uses --optimizer sgd") != std::string::npos);
+  sgd.eval_only = true;
+  const InitialState s = read_checkpoint(d.string(), sgd, 1);
+  CHECK(s.optimizer_state.empty());
+  CHECK(s.params[0] == 0.5f);
+  CHECK(s.state.step == 3);
   fs::remove_all(d);
 }
 

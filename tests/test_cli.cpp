@@ -80,6 +80,9 @@ TEST_CASE("cli: --reset-head only with --init-from") {
 TEST_CASE("cli: --eval-only needs weights and a test split, and trains nothing") {
   CHECK(usage_error({"--eval-only"}).find("--eval-only needs the weights: --init-from FILE or --resume DIR") !=
         std::string::npos);
+  CHECK(usage_error({"--eval-only", "--init-from", "/dev/null", "--reset-head", "--data", "fashion-mnist:/tmp", "--img",
+                     "28", "--patch", "4", "--channels", "1", "--classes", "10"})
+            .find("nor --reset-head") != std::string::npos);
   CHECK(usage_error({"--eval-only", "--resume", "/tmp"}).find("--eval-only needs a dataset with a test split") !=
         std::string::npos);
   CHECK(usage_error({"--eval-only", "--resume", "/tmp", "--data", "packed:/nonexistent"}).find("no /nonexistent/train") !=

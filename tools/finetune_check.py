@@ -19,8 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-SHAPES = {  # saved at img_from, loaded at img_to
+SHAPES = {  # saved at img_from, loaded at img_to (small_down: a finer grid resampled to a coarser,
+           # where the antialiasing filter widens)
     "small": dict(patch=8, dim=64, depth=2, heads=4, img_from=32, img_to=48, batch=8),
+    "small_down": dict(patch=8, dim=64, depth=2, heads=4, img_from=56, img_to=32, batch=8),
     "vit_h16": dict(patch=16, dim=1280, depth=32, heads=16, img_from=224, img_to=384, batch=8),
 }
 

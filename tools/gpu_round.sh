@@ -118,7 +118,8 @@ save_file({k: v.contiguous() for k, v in m.state_dict().items()}, '/tmp/timm_ini
       rm -rf /tmp/ref_h
       run ref_h_dump ./vit_train --steps 10 --dump-reference /tmp/ref_h
       run ref_h python3 tools/timm_reference.py /tmp/ref_h ;;
-    finetune) run finetune python3 tools/finetune_check.py --model small ;;
+    finetune) run finetune python3 tools/finetune_check.py --model small
+      run finetune_down python3 tools/finetune_check.py --model small_down ;;
     finetune_h) run finetune_h python3 tools/finetune_check.py --model vit_h16 ;;
     ref_h_adamw)
       rm -rf /tmp/ref_h_adamw

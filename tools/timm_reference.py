@@ -350,7 +350,7 @@ def main():
     parser.add_argument("--tol-loss", type=float, default=2e-2,
                         help="relative bound on the per-step loss difference (default 2e-2)")
     parser.add_argument("--tol-update", type=float, default=2e-2,
-                        help="floor of the limit on each tensor's update's relative L2 error (default 2e-2)")
+                        help="floor of the limit on the relative L2 error of all weights' update (default 2e-2)")
     parser.add_argument("--truth-chunk", type=int, default=16,
                         help="images per float64 forward/backward (default 16; ~30 GiB for ViT-H)")
     args = parser.parse_args()
