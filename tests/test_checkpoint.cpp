@@ -24,6 +24,7 @@
 #include "engine/resample.h"
 #include "engine/safetensors.h"
 #include "model/params.h"
+#include "tests/fuzz/tiny_checkpoint.h"
 #include "tests/harness.h"
 #include "tests/shell.h"
 
@@ -332,14 +333,7 @@ TEST_CASE("init-from: another image size resamples pos_embed; --reset-head takes
 
 TEST_CASE("checkpoint: --eval-only reads a checkpoint of either optimizer, its state left out") {
   const fs::path d = temp_dir("eval_state");
-  TrainOptions o;
-  o.model.name = "test";
-  o.model.img = 8;
-  o.model.patch = 4;
-  o.model.classes = 3;
-  o.model.dim = 8;
-  o.model.depth = 1;
-  o.model.heads = 2;
+  TrainOptions o = tiny_checkpoint_options(Precision::BF16);
   o.optimizer = OptimizerKind::AdamW;
   const ParamLayout layout(o.model);
   InitialState c;
