@@ -172,16 +172,16 @@ void Trainer::optimizer_step(int step) {
   doing("optimizer step (sharded: then waiting for the peers' weights)");
   NvtxRange range("optimizer");
   auto phase = timer_->phase(Phase::Optimizer, stream_);
-  const OptimizerStep h{schedule_.at(step), step == 0};
+  const OptimizerStep update{schedule_.at(step), step == 0};
   if (sync_ && sync_->sharded()) {
-    step_->update_sharded(*sync_, h, stream_, timer_.get());
+    step_->update_sharded(*sync_, update, stream_, timer_.get());
     return;
   }
   if (grad_norm_) {
     auto t = timer_->op(OpKind::Optimizer, stream_);
     l2_norm(model_->grads(), model_->layout().total(), norm_partial_, grad_norm_, stream_);
   }
-  step_->update(h, grad_norm_, stream_, timer_.get());  // and the next forward's FP8 weights
+  step_->update(update, grad_norm_, stream_, timer_.get());  // and the next forward's FP8 weights
 }
 
 void Trainer::end_step(int step) {
