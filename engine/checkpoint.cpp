@@ -77,7 +77,8 @@ std::string save_checkpoint(const std::string& dir, int keep, const CheckpointSt
     write_checkpoint_files(tmp.string(), model.config(), contents, run_facts(model.config(), opts, world));
     std::string text = "step " + std::to_string(state.step) + "\nmodel " + model.config().describe() + "\nprecision " +
                        choice_name(opts.precision) + "\nbatch " + std::to_string(opts.batch) + " per rank, " + std::to_string(world) +
-                       " rank(s)\n" + run_schedule_text(opts);
+                       " rank(s), " + std::to_string(opts.accum_steps) + " micro-batch(es) a step\n" +
+                       run_schedule_text(opts);
     write_text_file((tmp / "run.txt").string(), text);
     fsync_path(tmp.string(), true);
     // The same step saved again: the old one is set aside until the new one is in place.

@@ -25,11 +25,11 @@ namespace fs = std::filesystem;
 std::vector<int64_t> run_facts(const ViTConfig& c, const TrainOptions& o, int world) {
   return {c.img, c.patch, c.channels, c.classes, c.dim, c.depth, c.heads, static_cast<int64_t>(c.mlp_ratio * 1000),
           o.precision == Precision::FP8 ? 1 : 0, o.batch, world, o.fp8_scaling == Fp8Scaling::Current ? 1 : 0,
-          o.amax_history, o.fp8_margin};
+          o.amax_history, o.fp8_margin, o.accum_steps};
 }
 const char* const kRunFactNames[] = {"img", "patch", "channels", "classes", "dim", "depth", "heads",
                                      "mlp_ratio x 1000", "precision (1 fp8)", "batch", "ranks",
-                                     "fp8 recipe (1 current)", "amax history", "fp8 margin"};
+                                     "fp8 recipe (1 current)", "amax history", "fp8 margin", "accum steps"};
 
 void write_checkpoint_files(const std::string& dir, const ViTConfig& model, const InitialState& c,
                             const std::vector<int64_t>& facts) {
@@ -181,11 +181,13 @@ InitialState read_checkpoint_files(const std::string& path, const SafetensorsFil
   const SafetensorsFile::Entry* shape = st.find("run.shape");
   if (!shape || shape->dtype != "I64" || shape->shape.size() != 1)
     throw RuntimeError(st.path() + " has no valid run.shape: not a checkpoint of this engine");
-  if (shape->shape[0] != static_cast<int64_t>(want.size()))
-    throw RuntimeError(st.path() + " records " + std::to_string(shape->shape[0]) + " run facts, this engine " +
+  // The engine's checkpoints before --accum-steps record one fact less (one micro-batch a step).
+  const int64_t recorded = shape->shape[0];
+  if (recorded != static_cast<int64_t>(want.size()) && recorded != static_cast<int64_t>(want.size()) - 1)
+    throw RuntimeError(st.path() + " records " + std::to_string(recorded) + " run facts, this engine " +
                        std::to_string(want.size()) + ": a checkpoint of another version");
-  std::vector<int64_t> have(want.size());
-  std::memcpy(have.data(), st.data(*shape), have.size() * 8);
+  std::vector<int64_t> have(want.size(), 1);
+  std::memcpy(have.data(), st.data(*shape), recorded * 8);
   for (size_t i = 0; i < kRunFactsMustMatch; ++i)
     if (have[i] != want[i])
       throw UsageError("--resume " + path + ": the checkpoint is for " + kRunFactNames[i] + " " +

@@ -114,8 +114,12 @@ run:
     )") + vit_preset_names() + R"(
   --img N --patch N --channels N --classes N --dim N --depth N --heads N
   --mlp-ratio X          override any of the preset's shape
-  --batch N              images per GPU and step (default 64)
-  --steps N              training steps (default 50)
+  --batch N              images per GPU and micro-batch (default 64)
+  --accum-steps K        micro-batches per optimizer step, their gradients
+                         summed (default 1): a global batch of K x batch x
+                         GPUs; steps, the schedule, logs and checkpoints
+                         count optimizer steps
+  --steps N              training (optimizer) steps (default 50)
   --epochs N             passes over the training set (instead of --steps)
   --precision P          bf16 (default) or fp8 (the blocks' Linear layers)
   --gpus N               GPUs of this machine, a worker thread each (default 1)
@@ -227,6 +231,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--amax-history", [&](const std::string& f, const std::string& v) { o.amax_history = parse_int(f, v, 1, 1024); }},
       {"--fp8-margin", [&](const std::string& f, const std::string& v) { o.fp8_margin = parse_int(f, v, 0, 16); }},
       {"--batch", [&](const std::string& f, const std::string& v) { o.batch = parse_int(f, v, 1, kBig); }},
+      {"--accum-steps", [&](const std::string& f, const std::string& v) { o.accum_steps = parse_int(f, v, 1, 4096); }},
       {"--steps", [&](const std::string& f, const std::string& v) { o.steps = parse_int(f, v, 1, 1 << 30); }},
       {"--epochs", [&](const std::string& f, const std::string& v) { o.epochs = parse_int(f, v, 1, 100000); }},
       {"--warmup", [&](const std::string& f, const std::string& v) { o.warmup = parse_int(f, v, 0, 1 << 30); }},
@@ -356,9 +361,10 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
   if (o.fp8_stats && o.precision != Precision::FP8) bad("--fp8-stats needs --precision fp8");
   if (!o.dump_reference.empty() && (o.data != DataKind::Synthetic || o.lr_schedule != LrSchedule::Kind::Constant ||
                                     o.warmup_steps > 0 || o.precision != Precision::BF16 || o.clip_grad > 0 ||
-                                    o.label_smoothing > 0))
+                                    o.label_smoothing > 0 || o.accum_steps > 1))
     bad("--dump-reference replays the synthetic data at a constant learning rate in timm's bf16 autocast: it takes "
-        "neither --data, --lr-schedule cosine, --warmup-steps, --precision fp8, --clip-grad nor --label-smoothing");
+        "neither --data, --lr-schedule cosine, --warmup-steps, --precision fp8, --clip-grad, --label-smoothing nor "
+        "--accum-steps");
   if (!o.dump_reference.empty() && o.gpus > 1) bad("--dump-reference runs on one GPU (--gpus 1)");
   if (o.allreduce == AllReduceMethod::CopyEngine && (o.reduce_dtype != ReduceDType::F32 || o.nccl_window))
     bad("--allreduce copy-engine sums fp32 gradients in plain device memory: it takes neither --reduce-dtype bf16 "
@@ -377,9 +383,10 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       if (::stat((o.data_dir + "/val").c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
         bad("--eval-only needs a test split: no " + o.data_dir + "/val directory (pack_images SRC " + o.data_dir + "/val)");
     }
-    if (!o.save_dir.empty() || !o.dump_reference.empty() || o.timing || o.epochs > 0 || o.reset_head)
-      bad("--eval-only trains nothing: it takes neither --save, --dump-reference, --timing, --epochs nor "
-          "--reset-head (a new head is untrained)");
+    if (!o.save_dir.empty() || !o.dump_reference.empty() || o.timing || o.epochs > 0 || o.reset_head ||
+        o.accum_steps > 1)
+      bad("--eval-only trains nothing: it takes neither --save, --dump-reference, --timing, --epochs, --accum-steps "
+          "nor --reset-head (a new head is untrained)");
   }
   if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
   if (given.count("--keep") && o.save_dir.empty()) bad("--keep needs --save DIR");
@@ -417,7 +424,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
 
 void set_total_steps(TrainOptions& o, int steps) {
   o.steps = steps;
-  if (steps < 1) bad("the run has no step: the dataset holds fewer images than one --batch");
+  if (steps < 1) bad("the run has no step: the dataset holds fewer images than one global batch");
   if (o.warmup < 0) o.warmup = std::min(10, steps - 1);
   if (o.warmup >= steps)
     bad("--warmup " + std::to_string(o.warmup) + " leaves no timed step out of " + std::to_string(steps) + " steps");

@@ -23,8 +23,9 @@ struct TrainOptions {
   ViTConfig model;
   // The run.
   int gpus = 1;       // worker threads (one GPU each) of this process
-  int batch = 64;     // images per rank and step
-  int steps = 50;     // with --epochs, set by set_total_steps() once the dataset's size is known
+  int batch = 64;     // images per rank and micro-batch
+  int accum_steps = 1;  // micro-batches whose gradients one optimizer step sums
+  int steps = 50;     // optimizer steps; with --epochs, set by set_total_steps() once the dataset's size is known
   int epochs = 0;     // 0: --steps counts the run
   int warmup = -1;    // steps left out of the timing summary; -1: min(10, steps - 1)
   uint64_t seed = 0;  // initial weights, synthetic data, shuffling

@@ -8,7 +8,10 @@
 #include "kernels/check.h"
 
 Fp8Recipe::Fp8Recipe(ViT& model, Fp8Options options, MemoryRequest& memory) : options_(options) {
-  for (int t = 0; t < model.fp8_tensor_count(); ++t) kinds_.push_back(model.fp8_tensor_kind(t));
+  for (int t = 0; t < model.fp8_tensor_count(); ++t) {
+    kinds_.push_back(model.fp8_tensor_kind(t));
+    is_weight_.push_back(model.fp8_tensor_is_weight(t) ? 1 : 0);
+  }
   const size_t n = kinds_.size();
   auto state = [&](auto** slot, size_t count) { memory.add(MemoryCategory::OptimizerState, slot, count); };
   state(&metas_, n);
@@ -17,6 +20,7 @@ Fp8Recipe::Fp8Recipe(ViT& model, Fp8Options options, MemoryRequest& memory) : op
   state(&skipped_, 2);  // skipped steps, and in a row
   state(&amax_scratch_, 1);
   state(&amax_reduce_, n + 1);
+  memory.add(MemoryCategory::Workspace, &weights_, n);
   model.set_fp8(this);
 }
 
@@ -26,6 +30,7 @@ void Fp8Recipe::init(cudaStream_t st) {
   CUDA_CHECK(cudaMemcpyAsync(metas_, metas.data(), metas.size() * sizeof(Fp8Meta), cudaMemcpyHostToDevice, st));
   CUDA_CHECK(cudaMemsetAsync(non_finite_, 0, sizeof(int), st));
   CUDA_CHECK(cudaMemsetAsync(skipped_, 0, 2 * sizeof(int), st));
+  CUDA_CHECK(cudaMemcpyAsync(weights_, is_weight_.data(), is_weight_.size(), cudaMemcpyHostToDevice, st));
   CUDA_CHECK(cudaStreamSynchronize(st));  // metas goes out of scope
 }
 
@@ -64,15 +69,17 @@ void Fp8Recipe::clear_step_flag(cudaStream_t st) { CUDA_CHECK(cudaMemsetAsync(no
 
 void Fp8Recipe::begin_step(cudaStream_t st) { clear_step_flag(st); }
 
-void Fp8Recipe::end_step(const float* loss, cudaStream_t st) {
+void Fp8Recipe::end_step(const float* loss, cudaStream_t st, bool last_micro_batch) {
   const int n = count();
   if (comm_) {  // one all-reduce a step: the amaxes of the global batch, and whether any rank's step is bad
     fp8_gather_amax(metas_, n, non_finite_, loss, amax_reduce_, st);
     comm_->all_reduce(amax_reduce_, n + 1, ncclFloat32, ncclMax, st, st);
     fp8_scatter_amax(amax_reduce_, metas_, n, non_finite_, st);
   }
-  if (!options_.current) fp8_update_scales(metas_, n, options_.history, options_.margin, non_finite_, st);
-  fp8_tally_skip(loss, non_finite_, skipped_, st);
+  if (!options_.current)
+    fp8_update_scales(metas_, n, options_.history, options_.margin, non_finite_, st,
+                      last_micro_batch ? nullptr : weights_);
+  fp8_tally_skip(loss, non_finite_, last_micro_batch ? skipped_ : nullptr, st);
 }
 
 Fp8Recipe::Skipped Fp8Recipe::skipped_steps() const {

@@ -42,8 +42,14 @@ class Fp8Recipe : public Fp8Tensors {
   // A step's bookkeeping: begin_step clears its non-finite flag; end_step (after the backward)
   // reduces the amaxes over the ranks, updates the delayed recipe's scales, and counts the step
   // as skipped if it saw a non-finite loss or amax.
+  // Under gradient accumulation end_step runs after each micro-batch's backward: the amaxes of
+  // the inputs and gradients join their histories after every micro-batch (each is scaled from
+  // the micro-batches before it, as a step of its own would be); the weights' only after the
+  // last (last_micro_batch), since their FP8 copies are cast once per optimizer step and their
+  // scale must stay the one they were cast with. A non-finite value in any micro-batch skips the
+  // optimizer step, which is counted once.
   void begin_step(cudaStream_t stream);
-  void end_step(const float* loss, cudaStream_t stream);
+  void end_step(const float* loss, cudaStream_t stream, bool last_micro_batch = true);
   // The optimizer skips the update while *step_non_finite() is set.
   const int* step_non_finite() const { return non_finite_; }
   // The guard's counters back at zero, and the step's flag cleared (after the start-up pass).
@@ -85,12 +91,14 @@ class Fp8Recipe : public Fp8Tensors {
  private:
   unsigned long long* stats(int tensor) const { return counting_ ? stats_ + 3 * tensor : nullptr; }
   std::vector<Fp8Kind> kinds_;
+  std::vector<unsigned char> is_weight_;  // per tensor; on the device: weights_
   Fp8Options options_;
   Comm* comm_ = nullptr;
   bool recording_ = true, counting_ = false;
   Fp8Meta* metas_ = nullptr;
   unsigned long long* stats_ = nullptr;  // [underflow, saturated, values] per tensor, while counting
   int *non_finite_ = nullptr, *skipped_ = nullptr;
+  unsigned char* weights_ = nullptr;  // per tensor: a weight (kept between micro-batches)
   float* amax_scratch_ = nullptr;  // where producers that record nothing put their amax
   float* amax_reduce_ = nullptr;   // the step's amaxes and a bad-step flag, gathered for the reduce
 };

@@ -69,11 +69,13 @@ RunPlan plan_run(const TrainOptions& opts, const ProcessGroup& group) {
 
   plan_data(p);
   if (p.train_count > 0) {
-    if (int64_t(o.batch) * p.world > p.train_count)
-      throw UsageError("the global batch (" + std::to_string(p.world) + " x " + std::to_string(o.batch) +
-                       ") is larger than the " + std::to_string(p.train_count) + " training images");
+    const int64_t global_batch = int64_t(o.accum_steps) * o.batch * p.world;
+    if (global_batch > p.train_count)
+      throw UsageError("the global batch (" + (o.accum_steps > 1 ? std::to_string(o.accum_steps) + " x " : "") +
+                       std::to_string(p.world) + " x " + std::to_string(o.batch) + ") is larger than the " +
+                       std::to_string(p.train_count) + " training images");
     if (o.epochs > 0) {
-      const int64_t steps = int64_t(o.epochs) * (p.train_count / (int64_t(o.batch) * p.world));
+      const int64_t steps = int64_t(o.epochs) * (p.train_count / global_batch);
       if (steps > (1 << 30)) throw UsageError("--epochs " + std::to_string(o.epochs) + " makes more than 2^30 steps");
       set_total_steps(o, static_cast<int>(steps));
     }

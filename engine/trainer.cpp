@@ -47,7 +47,9 @@ void Trainer::train() {
   std::vector<EpochResult> epochs;
   if (logs) print_progress_header();
   log_json("\"event\": \"start\", \"step\": " + std::to_string(start_step_) + ", \"steps\": " +
-           std::to_string(opts_.steps) + ", \"global_batch\": " + std::to_string(opts_.batch * ctx_.world) +
+           std::to_string(opts_.steps) + ", \"global_batch\": " +
+           std::to_string(opts_.accum_steps * opts_.batch * ctx_.world) + ", \"accum_steps\": " +
+           std::to_string(opts_.accum_steps) +
            ", \"precision\": \"" + choice_name(opts_.precision) + "\"");
   const auto wall_start = std::chrono::steady_clock::now();
   int window_start = start_step_, skipped_reported = 0;
@@ -60,10 +62,12 @@ void Trainer::train() {
     {
       NvtxRange range("step");
       CUDA_CHECK(cudaEventRecord(begin[slot], stream_));
-      load_batch(step);
-      forward_backward();
+      for (int micro = 0; micro < opts_.accum_steps; ++micro) {
+        load_batch(step, micro);
+        forward_backward(micro);
+        if (loss_sum_) accumulate(model_->loss(), loss_sum_, stream_);
+      }
       optimizer_step(step);
-      if (loss_sum_) accumulate(model_->loss(), loss_sum_, stream_);
       CUDA_CHECK(cudaEventRecord(end[slot], stream_));
     }
     end_step(step);
@@ -71,7 +75,7 @@ void Trainer::train() {
     if (step == opts_.profile_last) CUDA_CHECK(cudaProfilerStop());
 
     if (log_point) {  // the only host synchronisation of a plain run
-      const float loss = mean_over_ranks(model_->loss());  // the global batch's mean loss
+      const float loss = step_loss_over_ranks();  // the global batch's mean loss
       if (ctx_.comm) ctx_.comm->check();  // an asynchronous NCCL error, or an abort, surfaces here
       double window_ms = 0;
       for (int i = 0; i <= slot; ++i) {
@@ -133,39 +137,48 @@ void Trainer::check_ranks_agree_on(const WeightChecksums& checksums) {
   }
 }
 
-void Trainer::load_batch(int step) {
+void Trainer::load_batch(int step, int micro) {
   auto t = timer_->op(OpKind::Data, stream_);
+  const int K = opts_.accum_steps;
   if (train_loader_) {
-    const int per_epoch = train_loader_->batches_per_epoch();
-    train_loader_->load(step / per_epoch, step % per_epoch, model_->images(), model_->labels(), stream_);
+    const int per_epoch = steps_per_epoch();
+    train_loader_->load(step / per_epoch, step % per_epoch * K + micro, model_->images(), model_->labels(), stream_);
     return;
   }
   NvtxRange range("synthetic batch");
   const ViTConfig& cfg = opts_.model;
   const size_t n = static_cast<size_t>(opts_.batch) * cfg.channels * cfg.img * cfg.img;
   // The seed's synthetic data: N(0, 1) images, label = global sample index % classes. A rank
-  // draws its slice of the global batch, so N ranks x B see what one GPU x N B would.
+  // draws its slice of the global batch, micro-batch by micro-batch, so that N ranks x K
+  // micro-batches x B see what one GPU x one batch of N K B would.
+  const int64_t slice = int64_t(micro) * ctx_.world + ctx_.rank;
   fill_normal(model_->images(), n, opts_.seed, kDataStream + step, 0.0f, 1.0f, -INFINITY, INFINITY, stream_,
-              ctx_.rank * n);
-  fill_labels(model_->labels(), opts_.batch, (static_cast<int64_t>(step) * ctx_.world + ctx_.rank) * opts_.batch,
+              slice * n);
+  fill_labels(model_->labels(), opts_.batch, (static_cast<int64_t>(step) * K * ctx_.world + slice) * opts_.batch,
               cfg.classes, stream_);
 }
 
-void Trainer::forward_backward(bool sync_gradients) {
+void Trainer::forward_backward(int micro, bool sync_gradients) {
   doing("forward and backward");
-  step_->begin(stream_);
+  const bool first = micro == 0, last = micro + 1 == opts_.accum_steps;
+  if (first) step_->begin(stream_);
   step_->forward(stream_, *gemm_, *timer_);
-  if (sync_ && sync_gradients) {
+  const GradWrite write = first ? GradWrite::Overwrite : GradWrite::Accumulate;
+  if (sync_ && sync_gradients && last) {  // one exchange a step, beside the last micro-batch's backward
     sync_->begin_step();
-    step_->backward(stream_, *gemm_, *timer_, [this](size_t offset) { sync_->ready_from(offset); });
+    step_->backward(stream_, *gemm_, *timer_, [this](size_t offset) { sync_->ready_from(offset); }, write);
     auto t = timer_->op(OpKind::CommWait, stream_);
     doing("end of the backward: waiting for the peers' gradients");
     sync_->finish();
   } else {
-    step_->backward(stream_, *gemm_, *timer_);
+    step_->backward(stream_, *gemm_, *timer_, {}, write);
   }
   doing("end of the step (in fp8: the amax all-reduce)");
-  step_->end(stream_);
+  step_->end(stream_, last);
+  if (step_loss_) {
+    if (first) CUDA_CHECK(cudaMemsetAsync(step_loss_, 0, sizeof(float), stream_));
+    accumulate(model_->loss(), step_loss_, stream_);
+  }
 }
 
 void Trainer::optimizer_step(int step) {
@@ -234,7 +247,7 @@ Trainer::Accuracy Trainer::evaluate() {
 // mean training loss; at an evaluation point (--eval-every, else each epoch's end, and the last
 // step), the test top-1.
 void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epochs) {
-  const int per_epoch = train_loader_->batches_per_epoch();
+  const int per_epoch = steps_per_epoch();
   const bool last = step + 1 == opts_.steps, epoch_end = (step + 1) % per_epoch == 0 || last;
   const int steps_in_epoch = (step + 1) % per_epoch == 0 ? per_epoch : (step + 1) % per_epoch;
   const bool eval_now =
@@ -242,9 +255,9 @@ void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epoc
   double train_loss = NAN;
   Accuracy acc{NAN, NAN};
   if (epoch_end) {
-    const float sum = mean_over_ranks(loss_sum_);  // each rank's sum of its batches' mean losses
+    const float sum = mean_over_ranks(loss_sum_);  // each rank's sum of its micro-batches' mean losses
     CUDA_CHECK(cudaMemsetAsync(loss_sum_, 0, sizeof(float), stream_));
-    train_loss = sum / steps_in_epoch;
+    train_loss = sum / (double(steps_in_epoch) * opts_.accum_steps);
   }
   if (eval_now) {
     acc = evaluate();

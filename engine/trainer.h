@@ -76,9 +76,11 @@ class Trainer {
   // rank calls it: a collective).
   std::vector<float> rank_timings();
 
-  // One step's pieces, in order (also used by the reference dump).
-  void load_batch(int step);  // the step's batch into model().images()/labels()
-  void forward_backward(bool sync_gradients = true);
+  // One step's pieces, in order (also used by the reference dump): for each of the step's
+  // micro-batches (--accum-steps; one by default) its batch and its forward and backward, then
+  // the update.
+  void load_batch(int step, int micro_batch = 0);  // into model().images()/labels()
+  void forward_backward(int micro_batch = 0, bool sync_gradients = true);
   void optimizer_step(int step);
   void end_step(int step);  // --timing: collects the step's event times
 
@@ -115,6 +117,12 @@ class Trainer {
   void save(int steps_done);
   // The mean over the ranks of a device scalar (itself when alone), read on the host.
   float mean_over_ranks(const float* device_value);
+  // The last step's loss on this rank: the mean of its micro-batches' (device), and on the host
+  // that mean over the ranks.
+  const float* step_loss_sum() const { return step_loss_ ? step_loss_ : model_->loss(); }
+  float step_loss_over_ranks() { return mean_over_ranks(step_loss_sum()) / opts_.accum_steps; }
+  // Optimizer steps in an epoch of the training set (its batches, less any short of a whole step).
+  int steps_per_epoch() const { return train_loader_->batches_per_epoch() / opts_.accum_steps; }
   // rows: device [world][k], this rank's row written on stream_; every rank's row, on the host
   // (with one rank, its own). A collective where there are several.
   template <typename T>
@@ -165,7 +173,8 @@ class Trainer {
   bool second_stream_ = false;  // --second-stream, less under --timing: a second Gemm (workspace)
   LrSchedule schedule_;
   std::unique_ptr<BatchLoader> train_loader_, test_loader_;  // null: synthetic data; test_loader_ null: no evaluation
-  float* loss_sum_ = nullptr;  // device: the epoch's summed training loss
+  float* loss_sum_ = nullptr;  // device: the epoch's summed training loss (of every micro-batch)
+  float* step_loss_ = nullptr;  // device, with --accum-steps: the step's micro-batches' losses summed
   int* correct_ = nullptr;     // device: an evaluation's top-1 and top-5 counts
   float *grad_norm_ = nullptr, *norm_partial_ = nullptr;  // --clip-grad
 };

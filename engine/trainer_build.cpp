@@ -195,7 +195,10 @@ void Trainer::build_model() {
   gemm_ = std::make_unique<Gemm>(gemm_workspace_, opts_.gemm_autotune);
   step_ = std::make_unique<TrainingStep>(*model_, *optimizer_, fp8_.get());
   step_->set_second_stream(second_stream_, gemm_workspace_, opts_.gemm_autotune);
-  timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth);  // ~16 scopes a block, ~31 in fp8
+  // ~16 scopes a block, ~31 in fp8, a forward and backward per micro-batch.
+  timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth * opts_.accum_steps);
+  model_->set_batches_summed(ctx_.world * opts_.accum_steps);
+  if (opts_.accum_steps > 1) CUDA_CHECK(cudaMalloc(&step_loss_, sizeof(float)));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(&scalar_, sizeof(float)));
   if (opts_.clip_grad > 0) {  // the gradients' global norm, for clipping
@@ -218,7 +221,6 @@ void Trainer::build_exchange() {
     } else if (staging) {
       CUDA_CHECK(cudaMalloc(&reduce_staging_, staging * sizeof(__nv_bfloat16)));
     }
-    model_->set_gradient_ranks(ctx_.world);
     // The optimizer sharded where the copy engines sum the gradients (--shard-optimizer auto): each
     // rank updates only its share of every bucket, which halves the exchange's traffic and splits the
     // optimizer's. Clipping needs the whole gradient's norm on every rank: not sharded then; nor
@@ -333,8 +335,14 @@ void Trainer::prepare() {
     if (fp8_) fp8_->set_recording(true);
   } else {
     if (!step_->prime_fp8_scales(stream_, *gemm_, *timer_))  // fp8 delayed: the priming pass is that pass
-      forward_backward(false);
+      forward_backward(0, false);
     if (fp8_) fp8_->reset_counters(stream_);  // the start-up pass is not a training step
+  }
+  if (opts_.accum_steps > 1) {  // the accumulating backward's GEMM plans too (FP8: nothing recorded)
+    if (fp8_) fp8_->set_recording(false);
+    step_->forward(stream_, *gemm_, *timer_);
+    step_->backward(stream_, *gemm_, *timer_, {}, GradWrite::Accumulate);
+    if (fp8_) fp8_->set_recording(true);
   }
   timer_->finish_step(false);
   preload_late_kernels();  // the rest of a run's kernels, before the ranks wait on each other (kernels/preload.h)
@@ -356,6 +364,7 @@ Trainer::~Trainer() {
   if (log_) std::fclose(log_);
   sync_.reset();
   cudaFree(loss_sum_);
+  cudaFree(step_loss_);
   cudaFree(correct_);
   cudaFree(scalar_);
   cudaFree(grad_norm_);

@@ -72,14 +72,14 @@ void Trainer::print_summary() const {
                                     : "one (--second-stream off)",
               second_stream_ && !sharded ? ", the optimizer beside the next forward" : "");
   if (train_loader_)
-    std::printf("  data        %s: %d training images (%d batches an epoch, shuffled), %d test\n",
-                plan_.data_summary.c_str(), plan_.train_count, train_loader_->batches_per_epoch(), plan_.test_count);
+    std::printf("  data        %s: %d training images (%d steps an epoch, shuffled), %d test\n",
+                plan_.data_summary.c_str(), plan_.train_count, steps_per_epoch(), plan_.test_count);
   else
     std::printf("  data        synthetic: N(0, 1) images, label = sample index %% classes, made on the GPU\n");
   if (ctx_.comm)
     std::printf("  parallel    %d ranks (%s), global batch %d; gradients averaged in %s %s, %d buckets of %d MB\n"
                 "              on a communication stream, %s%s\n",
-                ctx_.world, ctx_.layout.c_str(), ctx_.world * opts_.batch, choice_name(opts_.reduce_dtype),
+                ctx_.world, ctx_.layout.c_str(), opts_.accum_steps * ctx_.world * opts_.batch, choice_name(opts_.reduce_dtype),
                 sync_->copy_engines() ? "through the copy engines (peer to peer)" : "over NCCL", sync_->buckets(),
                 opts_.bucket_mb, opts_.comm_overlap ? "overlapping the backward" : "after the backward (--comm-overlap off)",
                 sync_->windowed() ? ", in a registered NCCL window" : "");
@@ -100,9 +100,11 @@ void Trainer::print_summary() const {
                 resumed_from_.empty() ? opts_.init_from.c_str() : resumed_from_.c_str(), opts_.batch,
                 ctx_.world > 1 ? " per rank" : "");
   else
-    std::printf("  training    batch %d%s, %d steps (%d warm-up), seed %llu\n              %s\n", opts_.batch,
-                ctx_.world > 1 ? " per rank" : "", opts_.steps, opts_.warmup, static_cast<unsigned long long>(opts_.seed),
-                optimizer);
+    std::printf("  training    batch %d%s%s, %d steps (%d warm-up), seed %llu\n              %s\n", opts_.batch,
+                ctx_.world > 1 ? " per rank" : "",
+                opts_.accum_steps > 1 ? (" x " + std::to_string(opts_.accum_steps) +
+                                         " micro-batches a step (gradients accumulated)").c_str() : "",
+                opts_.steps, opts_.warmup, static_cast<unsigned long long>(opts_.seed), optimizer);
   std::printf("  model FLOPs %.1f GFLOP per image per training step\n", cfg.train_flops_per_image() / 1e9);
   std::printf("  memory      (allocated once, at start-up)\n");
   size_t total = gemm_workspaces();
@@ -130,8 +132,8 @@ void Trainer::print_progress_header() const {
 }
 
 void Trainer::print_progress(int step, float loss, double ms, double elapsed_s) {
-  const double flops_per_step = opts_.model.train_flops_per_image() * opts_.batch;  // per GPU
-  const int global_batch = opts_.batch * ctx_.world;
+  const double flops_per_step = opts_.model.train_flops_per_image() * opts_.batch * opts_.accum_steps;  // per GPU
+  const int global_batch = opts_.accum_steps * opts_.batch * ctx_.world;
   const double tflops = flops_per_step / (ms * 1e-3) / 1e12;
   char mfu[16] = "-";
   if (peak_tflops_ > 0) std::snprintf(mfu, sizeof mfu, "%.1f%%", 100 * tflops / peak_tflops_);
@@ -170,8 +172,8 @@ void Trainer::print_epochs(const std::vector<EpochResult>& epochs) const {
 
 void Trainer::print_final(const std::vector<double>& step_ms, const WeightChecksums& checksums,
                           const std::vector<float>& per_rank) {
-  const double flops_per_step = opts_.model.train_flops_per_image() * opts_.batch;  // per GPU
-  const int global_batch = opts_.batch * ctx_.world;
+  const double flops_per_step = opts_.model.train_flops_per_image() * opts_.batch * opts_.accum_steps;  // per GPU
+  const int global_batch = opts_.accum_steps * opts_.batch * ctx_.world;
   // A resumed run may have fewer steps left than the warm-up: then its last step is timed.
   const size_t warm = std::min<size_t>(opts_.warmup, step_ms.size() - 1);
   const std::vector<double> timed(step_ms.begin() + warm, step_ms.end());

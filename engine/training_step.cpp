@@ -47,17 +47,17 @@ void TrainingStep::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer) {
 }
 
 void TrainingStep::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer,
-                            const std::function<void(size_t)>& grads_ready_from) {
+                            const std::function<void(size_t)>& grads_ready_from, GradWrite write) {
   if (!second_) {
-    model_.backward(st, gemm, timer, grads_ready_from);
+    model_.backward(st, gemm, timer, grads_ready_from, nullptr, write);
     return;
   }
   const WeightGradStream lane = second_->weight_grads();
-  model_.backward(st, gemm, timer, grads_ready_from, &lane);
+  model_.backward(st, gemm, timer, grads_ready_from, &lane, write);
 }
 
-void TrainingStep::end(cudaStream_t st) {
-  if (fp8_) fp8_->end_step(model_.loss(), st);
+void TrainingStep::end(cudaStream_t st, bool last_micro_batch) {
+  if (fp8_) fp8_->end_step(model_.loss(), st, last_micro_batch);
 }
 
 void TrainingStep::await_update(cudaStream_t st) {

@@ -51,13 +51,16 @@ class TrainingStep {
   // Returns false (doing nothing) where there is no delayed recipe to start.
   bool prime_fp8_scales(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
 
-  // The step: begin, forward, backward, end, update.
+  // The step: begin, then forward, backward and end for each micro-batch (one without gradient
+  // accumulation; the first backward writes the gradients, the others add to them), update.
   void begin(cudaStream_t stream);
   // The forward waits, part by part, for an update still running on the second stream.
   void forward(cudaStream_t stream, Gemm& gemm, OpTimer& timer);
   void backward(cudaStream_t stream, Gemm& gemm, OpTimer& timer,
-                const std::function<void(size_t)>& grads_ready_from = {});
-  void end(cudaStream_t stream);
+                const std::function<void(size_t)>& grads_ready_from = {}, GradWrite write = GradWrite::Overwrite);
+  // After each micro-batch's backward; last_micro_batch: the optimizer step's last (FP8: see
+  // Fp8Recipe::end_step).
+  void end(cudaStream_t stream, bool last_micro_batch = true);
   // The optimizer over every weight (clipped by grad_norm, skipped in FP8 when the step was bad),
   // then in FP8 the next forward's weight copies. With the second stream it runs there, part by
   // part in the order the next forward reads the weights (in line with the FP8 current recipe,

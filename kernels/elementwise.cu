@@ -179,7 +179,7 @@ void gelu_forward(const bf16* h, bf16* a, size_t n, cudaStream_t stream) {
 size_t gelu_backward_partial_floats(int M, int N) { return static_cast<size_t>(grid_for(M, kBackwardRows)) * N; }
 
 void gelu_backward(const bf16* da, const bf16* h, bf16* dh, bf16* a, float* db, float* partial, int M, int N,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, GradWrite write) {
   NvtxRange range("gelu_backward");
   ENSURE(N % 8 == 0 && is_aligned16(da) && is_aligned16(h) && is_aligned16(dh) && is_aligned16(a) &&
              is_aligned16(partial),
@@ -190,7 +190,7 @@ void gelu_backward(const bf16* da, const bf16* h, bf16* dh, bf16* a, float* db, 
       reinterpret_cast<const Bf16x8*>(da), reinterpret_cast<const Bf16x8*>(h), reinterpret_cast<Bf16x8*>(dh),
       reinterpret_cast<Bf16x8*>(a), partial, M, N / 8);
   LAUNCH_CHECK();
-  sum_rows(partial, chunks, N, N, db, stream);
+  sum_rows(partial, chunks, N, N, db, stream, write);
 }
 
 void gelu_forward_fp8(const bf16* h, int M, int N, const Fp8Out& o, cudaStream_t stream) {
@@ -204,7 +204,7 @@ void gelu_forward_fp8(const bf16* h, int M, int N, const Fp8Out& o, cudaStream_t
 }
 
 void gelu_backward_fp8(const bf16* da, const bf16* h, int M, int N, const Fp8Out& dh_out, const Fp8Out& a_out,
-                       float* db, float* partial, cudaStream_t stream) {
+                       float* db, float* partial, cudaStream_t stream, GradWrite write) {
   NvtxRange range("gelu_backward_fp8");
   ENSURE(fp8tile::valid(dh_out, M, N) && fp8tile::valid(a_out, M, N) && dh_out.kind == Fp8Kind::E5M2 &&
              a_out.kind == Fp8Kind::E4M3 && !a_out.out && is_aligned16(da) && is_aligned16(h),
@@ -212,7 +212,7 @@ void gelu_backward_fp8(const bf16* da, const bf16* h, int M, int N, const Fp8Out
   gelu_backward_fp8_kernel<<<fp8tile::grid(M, N), fp8tile::kThreads, 0, stream>>>(da, h, M, N, dh_out, a_out,
                                                                                    partial);
   LAUNCH_CHECK();
-  sum_rows(partial, fp8tile::tile_rows(M), N, N, db, stream);
+  sum_rows(partial, fp8tile::tile_rows(M), N, N, db, stream, write);
 }
 
 void fill_constant(float* out, size_t n, float value, cudaStream_t stream) {

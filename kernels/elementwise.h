@@ -7,15 +7,17 @@
 #include <cstddef>
 
 #include "kernels/fp8_out.h"
+#include "kernels/grad_write.h"
 
 // a = gelu(h), n elements (n % 8 == 0, 16-byte aligned).
 void gelu_forward(const __nv_bfloat16* h, __nv_bfloat16* a, size_t n, cudaStream_t stream);
 // The backward through GELU of h [M, N] (N % 8 == 0), one pass: dh = da * gelu'(h) (dh may
 // alias da); a = gelu(h) recomputed (unless a is null), so the forward need not keep it; db[N] = column sums of dh,
-// the bias gradient of the layer that produced h, through partial
-// (gelu_backward_partial_floats(M, N)).
+// the bias gradient of the layer that produced h (written or added to, as `write` says), through
+// partial (gelu_backward_partial_floats(M, N)).
 void gelu_backward(const __nv_bfloat16* da, const __nv_bfloat16* h, __nv_bfloat16* dh,
-                   __nv_bfloat16* a, float* db, float* partial, int M, int N, cudaStream_t stream);
+                   __nv_bfloat16* a, float* db, float* partial, int M, int N, cudaStream_t stream,
+                   GradWrite write = GradWrite::Overwrite);
 size_t gelu_backward_partial_floats(int M, int N);
 // FP8 (fp8.h): a = gelu(h) [M, N] (N % 8 == 0) straight to FP8 E4M3 through o, row-major only
 // (fc2's input in the forward).
@@ -25,7 +27,8 @@ void gelu_forward_fp8(const __nv_bfloat16* h, int M, int N, const Fp8Out& o, cud
 // a = gelu(h) recomputed to E4M3 through a_out, transposed only (fc2's input for its weight
 // gradient; its amax is not recorded again): with the forward's scale, the very codes the forward wrote.
 void gelu_backward_fp8(const __nv_bfloat16* da, const __nv_bfloat16* h, int M, int N, const Fp8Out& dh_out,
-                       const Fp8Out& a_out, float* db, float* partial, cudaStream_t stream);
+                       const Fp8Out& a_out, float* db, float* partial, cudaStream_t stream,
+                       GradWrite write = GradWrite::Overwrite);
 // out[i] = value, any n.
 void fill_constant(float* out, size_t n, float value, cudaStream_t stream);
 // out = bf16(in), any n.

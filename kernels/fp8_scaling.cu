@@ -4,12 +4,14 @@
 #include "kernels/preload.h"
 
 namespace {
-__global__ void update_kernel(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite) {
+__global__ void update_kernel(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite,
+                              const unsigned char* keep) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < count && !fp8_update(metas[i], history_len, margin)) atomicAdd(non_finite, 1);
+  if (i < count && !(keep && keep[i]) && !fp8_update(metas[i], history_len, margin)) atomicAdd(non_finite, 1);
 }
 __global__ void tally_kernel(const float* loss, int* non_finite, int* counters) {
   if (!isfinite(*loss)) *non_finite = 1;
+  if (!counters) return;
   if (*non_finite) {
     ++counters[0];
     ++counters[1];
@@ -57,10 +59,11 @@ void fp8_tally_skip(const float* loss, int* non_finite, int* counters, cudaStrea
   LAUNCH_CHECK();
 }
 
-void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite, cudaStream_t stream) {
+void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite, cudaStream_t stream,
+                       const unsigned char* keep) {
   ENSURE(history_len >= 1 && history_len <= kMaxAmaxHistory, "fp8_update_scales: history length out of range");
   if (count == 0) return;
-  update_kernel<<<grid_for(count, 128), 128, 0, stream>>>(metas, count, history_len, margin, non_finite);
+  update_kernel<<<grid_for(count, 128), 128, 0, stream>>>(metas, count, history_len, margin, non_finite, keep);
   LAUNCH_CHECK();
 }
 

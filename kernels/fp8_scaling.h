@@ -53,9 +53,12 @@ __host__ __device__ inline bool fp8_update(Fp8Meta& m, int history_len, int marg
 }
 
 // fp8_update on count metas (one thread each); *non_finite += the number whose amax was not.
-void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite, cudaStream_t stream);
+// keep (optional, count flags): the metas flagged are left as they are.
+void fp8_update_scales(Fp8Meta* metas, int count, int history_len, int margin, int* non_finite, cudaStream_t stream,
+                       const unsigned char* keep = nullptr);
 // The numerics guard's bookkeeping at a step's end: a non-finite loss also marks the step;
-// counters[0] counts skipped steps, counters[1] the skipped steps in a row.
+// counters[0] counts skipped steps, counters[1] the skipped steps in a row. counters null (a
+// micro-batch before the optimizer step's last): the loss marks the step, nothing is counted.
 void fp8_tally_skip(const float* loss, int* non_finite, int* counters, cudaStream_t stream);
 
 // Data parallel: the step's amaxes of count metas into out[0..count) (a non-finite one as

@@ -203,8 +203,9 @@ void Gemm::linear_backward_input(const void* dy, const void* W, void* dx, int M,
 }
 
 void Gemm::linear_backward_weight(const void* dy, const void* x, float* dW, float* db, int M, int N,
-                                  int K, cudaStream_t stream, int lddy) {
-  const GemmShape s{N, K, M, true, false, lddy ? lddy : N, K, K, DType::F32, false,
+                                  int K, cudaStream_t stream, int lddy, GradWrite write) {
+  const bool accumulate = write == GradWrite::Accumulate;
+  const GemmShape s{N, K, M, true, false, lddy ? lddy : N, K, K, DType::F32, accumulate,
                     db ? Epilogue::BiasGrad : Epilogue::None};
-  run(s, dy, x, nullptr, dW, db, stream);
+  run(s, dy, x, accumulate ? dW : nullptr, dW, db, stream);
 }

@@ -14,6 +14,8 @@
 #include <map>
 #include <tuple>
 
+#include "kernels/grad_write.h"
+
 // E4M3 and E5M2 are Hopper's FP8 formats (one byte); an FP8 operand comes with a device pointer
 // to the factor that turns its codes back into values (the inverse of its quantisation scale).
 enum class DType { BF16, F32, E4M3, E5M2 };
@@ -67,10 +69,11 @@ class Gemm {
   // dx[M, K] = dy[M, N] W[N, K]   (bf16 out)
   void linear_backward_input(const void* dy, const void* W, void* dx, int M, int N, int K,
                              cudaStream_t stream, int lddy = 0);
-  // dW[N, K] = dy[M, N]^T x[M, K] (fp32 out, overwritten); with db, also db[N] = column sums
-  // of dy, fused into the same product.
+  // dW[N, K] = dy[M, N]^T x[M, K] (fp32 out, written, or with Accumulate added to dW in place);
+  // with db, also db[N] = column sums of dy, fused into the same product (always written: the
+  // epilogue cannot add, so an accumulating caller passes scratch and adds it).
   void linear_backward_weight(const void* dy, const void* x, float* dW, float* db, int M, int N,
-                              int K, cudaStream_t stream, int lddy = 0);
+                              int K, cudaStream_t stream, int lddy = 0, GradWrite write = GradWrite::Overwrite);
 
   // The FP8 product in the one layout Hopper runs: y[M, N] = (a_scale a[M, K]) (b_scale b[N, K])^T
   // (+ bias, bf16 whatever y's dtype) (+ residual, y's dtype and layout); y bf16 or fp32. The three products of a Linear layer all take this form, given

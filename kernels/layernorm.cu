@@ -226,7 +226,7 @@ size_t layernorm_partial_floats(int M, int D) { return static_cast<size_t>(backw
 
 void layernorm_backward(const bf16* dy, const float* x, int row_stride, const float* w, const float* mean,
                         const float* rstd, float* g, bf16* g_bf16, float* dw, float* db, float* partial, int M, int D,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, GradWrite write) {
   NvtxRange range("layernorm_backward");
   ENSURE(D % 8 == 0 && D <= 128 * kMaxChunks && row_stride % 4 == 0 && is_aligned16(x) && is_aligned16(g) &&
              is_aligned16(dy) && is_aligned16(g_bf16) && is_aligned16(w) && is_aligned16(partial),
@@ -243,6 +243,6 @@ void layernorm_backward(const bf16* dy, const float* x, int row_stride, const fl
                                           stream>>>(dy, x, row_stride, w, mean, rstd, g, g_bf16, partial, M, D);
   });
   LAUNCH_CHECK();
-  sum_rows(partial, blocks, D, 2 * D, dw, stream);
-  sum_rows(partial + D, blocks, D, 2 * D, db, stream);
+  sum_rows(partial, blocks, D, 2 * D, dw, stream, write);
+  sum_rows(partial + D, blocks, D, 2 * D, db, stream, write);
 }

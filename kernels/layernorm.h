@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/fp8_out.h"
+#include "kernels/grad_write.h"
 
 // y[M, D] (bf16, contiguous) = LN(x), x rows at x_row_stride elements; saves mean, rstd [M].
 void layernorm_forward(const float* x, int x_row_stride, const float* w, const float* b,
@@ -16,9 +17,10 @@ void layernorm_forward_fp8(const float* x, int x_row_stride, const float* w, con
                            float* mean, float* rstd, int M, int D, float eps, cudaStream_t stream);
 // Backward, fused with the residual: g[r] += dLN/dx (rows at g_row_stride, fp32, in place) and
 // g_bf16[r] = bf16(g[r]) for the next GEMM; dy [M, D] bf16 contiguous. The weight and bias
-// gradients go to dw, db (overwritten) through per-block partial sums in partial
-// (layernorm_partial_floats(M, D) floats).
+// gradients go to dw, db (written or added to, as `write` says) through per-block partial sums in
+// partial (layernorm_partial_floats(M, D) floats).
 void layernorm_backward(const __nv_bfloat16* dy, const float* x, int row_stride, const float* w,
                         const float* mean, const float* rstd, float* g, __nv_bfloat16* g_bf16,
-                        float* dw, float* db, float* partial, int M, int D, cudaStream_t stream);
+                        float* dw, float* db, float* partial, int M, int D, cudaStream_t stream,
+                        GradWrite write = GradWrite::Overwrite);
 size_t layernorm_partial_floats(int M, int D);

@@ -30,7 +30,7 @@ __global__ void colsum_partial_kernel(const T* __restrict__ x, int M, int N, int
 // each row's read is one coalesced 128-byte access), then add their sums in a fixed order:
 // a thread per column summing all R rows alone would be a chain of dependent loads.
 __global__ void sum_rows_kernel(const float* __restrict__ partial, int R, int N, int ld,
-                                float* __restrict__ out) {
+                                float* __restrict__ out, bool accumulate) {
   __shared__ float sums[kSumWarps][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, col = blockIdx.x * 32 + lane;
   float s = 0;
@@ -41,19 +41,19 @@ __global__ void sum_rows_kernel(const float* __restrict__ partial, int R, int N,
   if (warp == 0 && col < N) {
     float total = 0;
     for (int w = 0; w < kSumWarps; ++w) total += sums[w][lane];
-    out[col] = total;
+    out[col] = accumulate ? out[col] + total : total;
   }
 }
 
 template <class T>
-void colsum_impl(const T* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
+void colsum_impl(const T* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream, GradWrite write) {
   NvtxRange range("colsum");
   ENSURE(M > 0 && N > 0 && ld >= N, "colsum: bad shape");
   const int chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
   ENSURE(chunks <= 65535, "colsum: too many rows");
   colsum_partial_kernel<<<dim3(grid_for(N, kThreads), chunks), kThreads, 0, stream>>>(x, M, N, ld, partial);
   LAUNCH_CHECK();
-  sum_rows(partial, chunks, N, N, out, stream);
+  sum_rows(partial, chunks, N, N, out, stream, write);
 }
 }  // namespace
 
@@ -61,16 +61,19 @@ size_t colsum_partial_floats(int M, int N) {
   return static_cast<size_t>((M + kRowsPerChunk - 1) / kRowsPerChunk) * N;
 }
 
-void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
-  colsum_impl(x, M, N, ld, out, partial, stream);
+void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream,
+            GradWrite write) {
+  colsum_impl(x, M, N, ld, out, partial, stream, write);
 }
 
-void colsum(const bf16* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream) {
-  colsum_impl(x, M, N, ld, out, partial, stream);
+void colsum(const bf16* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream,
+            GradWrite write) {
+  colsum_impl(x, M, N, ld, out, partial, stream, write);
 }
 
-void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream_t stream) {
-  sum_rows_kernel<<<grid_for(N, 32), kSumWarps * 32, 0, stream>>>(partial, R, N, ld, out);
+void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream_t stream, GradWrite write) {
+  sum_rows_kernel<<<grid_for(N, 32), kSumWarps * 32, 0, stream>>>(partial, R, N, ld, out,
+                                                                  write == GradWrite::Accumulate);
   LAUNCH_CHECK();
 }
 

@@ -7,11 +7,17 @@
 
 #include <cstddef>
 
-void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream);
-void colsum(const __nv_bfloat16* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream);
+#include "kernels/grad_write.h"
+
+void colsum(const float* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream,
+            GradWrite write = GradWrite::Overwrite);
+void colsum(const __nv_bfloat16* x, int M, int N, int ld, float* out, float* partial, cudaStream_t stream,
+            GradWrite write = GradWrite::Overwrite);
 size_t colsum_partial_floats(int M, int N);
-// Stage two alone: out[N] = sum over rows of partial[R, N]; used by LayerNorm's weight gradients.
-void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream_t stream);
+// Stage two alone: out[N] = sum over rows of partial[R, N] (Accumulate: out[N] += that sum); used
+// by LayerNorm's weight gradients and the bias gradients the elementwise passes sum.
+void sum_rows(const float* partial, int R, int N, int ld, float* out, cudaStream_t stream,
+              GradWrite write = GradWrite::Overwrite);
 // *out = a 64-bit hash of x's bit patterns and positions (order-independent sum of mixed
 // words: the same on any launch shape): equal weights on two ranks give equal checksums.
 void checksum(const float* x, size_t n, unsigned long long* out, cudaStream_t stream);

@@ -96,6 +96,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, MemoryRequest& memory, Precision preci
   work(&dlogits_, B * classes_ld_);
   work(&dfeat_, B * D);
   work(&dpatch_, B * P * D);
+  work(&bias_grad_, std::max<size_t>(3 * D, classes_ld_));
   if (cfg.patch_dim_padded() != cfg.patch_dim()) {  // the patch embedding's weight and gradient, padded rows
     work(&patch_w_padded_, D * cfg.patch_dim_padded());
     work(&patch_grad_padded_, D * cfg.patch_dim_padded());
@@ -211,8 +212,22 @@ void ViT::fp8_input_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8, bf16* d
 void ViT::fp8_weight_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8t, const uint8_t* x8t, cudaStream_t st) {
   // dW[n, k] = dy^T x, contracting over the token rows: dy^T and x^T are the K-contiguous copies.
   const Linear& L = linears_[l][lin];
+  float* dW = g(L.w);
   gemm.linear_fp8(dy8t, DType::E5M2, &meta(l, lin, kOutputGrad)->scale_inv, x8t, DType::E4M3,
-                  &meta(l, lin, kInput)->scale_inv, nullptr, nullptr, g(L.w), DType::F32, L.n, L.k, M_, st);
+                  &meta(l, lin, kInput)->scale_inv, nullptr, write_ == GradWrite::Accumulate ? dW : nullptr, dW,
+                  DType::F32, L.n, L.k, M_, st);
+}
+
+void ViT::bf16_weight_grad(Gemm& gemm, const bf16* dy, const bf16* x, float* dW, float* db, int M, int N, int K,
+                           cudaStream_t st, int lddy) {
+  if (write_ == GradWrite::Overwrite || !db) {
+    gemm.linear_backward_weight(dy, x, dW, db, M, N, K, st, lddy, write_);
+    return;
+  }
+  // One stream at a time uses bias_grad_: the head's and the patch embedding's run on the
+  // critical path before the blocks' weight gradients fork off it and after they join it.
+  gemm.linear_backward_weight(dy, x, dW, bias_grad_, M, N, K, st, lddy, GradWrite::Accumulate);
+  sum_into(db, bias_grad_, 0, 1, N, st);
 }
 
 void ViT::unexpected_fp32_read(int t) const {
@@ -329,7 +344,7 @@ void ViT::forward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const cudaEvent_t
                           cfg_.classes, D, st, classes_ld_); }
     { auto t = timer.op(OpKind::Loss, st);
       softmax_xent(logits_, labels_, B_, cfg_.classes, classes_ld_, row_loss_, loss_, dlogits_, st, label_smoothing_,
-                   gradient_ranks_); }
+                   batches_summed_); }
   }
 }
 
@@ -404,8 +419,9 @@ void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) 
 }
 
 void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::function<void(size_t)>& grads_ready_from,
-                   const WeightGradStream* wgrad) {
+                   const WeightGradStream* wgrad, GradWrite write) {
   require_fp8_recipe();
+  write_ = write;
   auto ready_from = [&](int tensor) {
     if (grads_ready_from) grads_ready_from(tensor < 0 ? 0 : layout_.at(tensor).offset);
   };
@@ -415,15 +431,15 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
   {
     NvtxRange r("head backward");
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dlogits_, lnf_, g(layout_.head_w), g(layout_.head_b), B_, cfg_.classes, D, st,
-                                  classes_ld_);
+      bf16_weight_grad(gemm, dlogits_, lnf_, g(layout_.head_w), g(layout_.head_b), B_, cfg_.classes, D, st,
+                       classes_ld_);
       gemm.linear_backward_input(dlogits_, pb(layout_.head_w), dfeat_, B_, cfg_.classes, D, st, classes_ld_); }
     // The residual gradient is zero but on the class-token rows.
     CUDA_CHECK(cudaMemsetAsync(dresid_, 0, static_cast<size_t>(M_) * D * sizeof(float), st));
     CUDA_CHECK(cudaMemsetAsync(dresid_bf16_, 0, static_cast<size_t>(M_) * D * sizeof(bf16), st));
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_backward(dfeat_, resid(2 * cfg_.depth), T_ * D, p(layout_.norm_w), lnf_mean_, lnf_rstd_, dresid_,
-                         dresid_bf16_, g(layout_.norm_w), g(layout_.norm_b), partial_, B_, D, st); }
+                         dresid_bf16_, g(layout_.norm_w), g(layout_.norm_b), partial_, B_, D, st, write_); }
   }
   ready_from(layout_.norm_w);
   const WeightGradStream* side = wgrad && wgrad->stream ? wgrad : nullptr;
@@ -459,16 +475,17 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
     NvtxRange r("patch_embed backward");
     lag();
     // x[b, t] = (t == 0 ? cls : patch_out[b, t - 1]) + pos[t]: pos gets the batch sum of dresid,
-    // cls its token-0 row.
+    // cls its token-0 row (also under accumulation: the sums' row 0).
     { auto t = timer.op(OpKind::Embed, st);
-      colsum(dresid_, B_, T_ * D, T_ * D, g(layout_.pos_embed), partial_, st);
+      colsum(dresid_, B_, T_ * D, T_ * D, g(layout_.pos_embed), partial_, st, write_);
       CUDA_CHECK(cudaMemcpyAsync(g(layout_.cls_token), g(layout_.pos_embed), D * sizeof(float),
                                  cudaMemcpyDeviceToDevice, st)); }
     { auto t = timer.op(OpKind::Embed, st); embed_backward(dresid_, dpatch_, B_, T_, D, st); }
     const int K = cfg_.patch_dim(), K8 = cfg_.patch_dim_padded();
     { auto t = timer.op(OpKind::Gemm, st);
-      gemm.linear_backward_weight(dpatch_, patches_, K8 != K ? patch_grad_padded_ : g(layout_.patch_w),
-                                  g(layout_.patch_b), BP, D, K8, st);
+      // The padded gradient is this product's alone, so it accumulates as the gradient itself.
+      bf16_weight_grad(gemm, dpatch_, patches_, K8 != K ? patch_grad_padded_ : g(layout_.patch_w),
+                       g(layout_.patch_b), BP, D, K8, st);
       if (K8 != K)  // the padding's columns (zero) left behind
         CUDA_CHECK(cudaMemcpy2DAsync(g(layout_.patch_w), K * sizeof(float), patch_grad_padded_, K8 * sizeof(float),
                                      K * sizeof(float), D, cudaMemcpyDeviceToDevice, st)); }
@@ -487,8 +504,8 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
   const std::array<Linear, 4>& L = linears_[l];
   auto weight_grad = [&](Lin lin, const bf16* dy, const bf16* x, bool with_bias) {
     { auto t = timer.op(OpKind::Gemm, wl.stream);
-      wl.gemm.linear_backward_weight(dy, x, g(L[lin].w), with_bias ? g(L[lin].b) : nullptr, M_, L[lin].n, L[lin].k,
-                                     wl.stream); }
+      bf16_weight_grad(wl.gemm, dy, x, g(L[lin].w), with_bias ? g(L[lin].b) : nullptr, M_, L[lin].n, L[lin].k,
+                       wl.stream); }
     wl.read(lin);
   };
   // MLP: dresid is the gradient of fc2's output. The GELU output is recomputed in the pass that
@@ -498,7 +515,7 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
     gemm.linear_backward_input(dresid_bf16_, pb(L[kFc2].w), dhidden_, M_, D, Hd, st); }
   wl.before_writing(kFc2);  // gelu_
   { auto t = timer.op(OpKind::Gelu, st);
-    gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, g(L[kFc1].b), partial_, M_, Hd, st); }
+    gelu_backward(dhidden_, a.fc1, dhidden_, gelu_, g(L[kFc1].b), partial_, M_, Hd, st, write_); }
   { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dhidden_, pb(L[kFc1].w), dln_, M_, Hd, D, st); }
   wl.fork();
   weight_grad(kFc2, dresid_bf16_, gelu_, true);
@@ -506,7 +523,7 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
   wl.before_writing(kProj);  // dmid_bf16_
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dmid_bf16_,
-                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
+                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st, write_); }
   // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
   { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dmid_bf16_, pb(L[kProj].w), dattn_, M_, D, D, st); }
   wl.fork();
@@ -520,7 +537,7 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
   wl.before_writing(kFc2);  // dresid_bf16_, read by this block's fc2 weight gradient
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
-                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }
+                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st, write_); }
 }
 
 // The same in FP8. Each output gradient is cast once into both FP8 copies (dy for the input
@@ -538,7 +555,7 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer,
     wl.before_writing(lin);  // dy8t_[lin] (fc2's: and x8_, which the GELU backward writes)
     auto t = timer.op(OpKind::Fp8Cast, st);
     produce_fp8(l, lin, kOutputGrad, dy8_[0], dy8t_[lin], st,
-                [&](const Fp8Out& o) { cast_to_fp8(dy, M_, n, o, st, g(L[lin].b), partial_); });
+                [&](const Fp8Out& o) { cast_to_fp8(dy, M_, n, o, st, g(L[lin].b), partial_, write_); });
   };
   auto weight_grad = [&](Lin lin, const uint8_t* x8t) {
     { auto t = timer.op(OpKind::Gemm, wl.stream); fp8_weight_grad(wl.gemm, l, lin, dy8t_[lin], x8t, wl.stream); }
@@ -555,7 +572,7 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer,
   { auto t = timer.op(OpKind::Gelu, st);  // fc1's output gradient, and fc2's input recomputed
     produce_fp8(l, kFc1, kOutputGrad, dy8_[1], dy8t_[kFc1], st, [&](const Fp8Out& o) {
       gelu_backward_fp8(dhidden_, a.fc1, M_, Hd, o, recompute_fp8(l, kFc2, x8_), g(L[kFc1].b),
-                        partial_, st);
+                        partial_, st, write_);
     }); }
   { auto t = timer.op(OpKind::Gemm, st); fp8_input_grad(gemm, l, kFc1, dy8_[1], dln_, st); }
   wl.fork();
@@ -564,7 +581,7 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer,
   weight_grad(kFc1, xt8_);
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dmid_bf16_,
-                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st); }
+                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st, write_); }
   // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
   output_grad(kProj, dmid_bf16_, D);
   { auto t = timer.op(OpKind::Gemm, st); fp8_input_grad(gemm, l, kProj, dy8_[0], dattn_, st); }
@@ -579,5 +596,5 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer,
   weight_grad(kQkv, xt8_);
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
-                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st); }
+                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st, write_); }
 }

@@ -69,6 +69,7 @@ class ViT {
   int fp8_tensor_count() const { return precision_ == Precision::FP8 ? fp8_tensors_of(cfg_) : 0; }
   static int fp8_tensors_of(const ViTConfig& cfg) { return cfg.depth * 12; }
   Fp8Kind fp8_tensor_kind(int tensor) const { return tensor % 3 == kOutputGrad ? Fp8Kind::E5M2 : Fp8Kind::E4M3; }
+  bool fp8_tensor_is_weight(int tensor) const { return tensor % 3 == kWeight; }
   // For reports: the tensors of one Linear layer kind and role over the blocks, under a name.
   struct Fp8TensorGroup {
     std::string name;
@@ -105,21 +106,24 @@ class ViT {
     cudnn_forward_ = forward ? cudnn : nullptr;
     cudnn_backward_ = backward ? cudnn : nullptr;
   }
-  // Data-parallel ranks whose gradients are summed: the loss gradient is divided by them too, so
-  // the sum is the global batch's mean gradient.
-  void set_gradient_ranks(int ranks) { gradient_ranks_ = ranks; }
+  // The batches whose gradients are summed into one optimizer step (data-parallel ranks x
+  // accumulated micro-batches): the loss gradient is divided by their count too, so that the sum
+  // is the global batch's mean gradient.
+  void set_batches_summed(int batches) { batches_summed_ = batches; }
 
   // Forward and loss on images [B, C, H, W] fp32 and labels [B]; leaves loss() and logits().
   // part_updated (optional): an update of the parameters still running elsewhere; the forward
   // waits for part_updated[p] before it reads part p.
   void forward(cudaStream_t stream, Gemm& gemm, OpTimer& timer, const cudaEvent_t* part_updated = nullptr);
-  // Backward of the last forward: every parameter gradient into grads() (overwritten). The
+  // Backward of the last forward: every parameter gradient into grads(), written over what is
+  // there or, for the micro-batches after an optimizer step's first, added to it (write). The
   // gradients are finished from the end of the layout towards its start (head, blocks from the
   // last, patch embedding); grads_ready_from(offset), if given, is called (in stream order) each
   // time every gradient at or past offset is final: a data-parallel run starts its all-reduces.
   // wgrad: where the weight gradients run (by default in line, with gemm).
   void backward(cudaStream_t stream, Gemm& gemm, OpTimer& timer,
-                const std::function<void(size_t)>& grads_ready_from = {}, const WeightGradStream* wgrad = nullptr);
+                const std::function<void(size_t)>& grads_ready_from = {}, const WeightGradStream* wgrad = nullptr,
+                GradWrite write = GradWrite::Overwrite);
 
   // The batch the next forward reads.
   float* images() const { return images_; }
@@ -178,6 +182,10 @@ class ViT {
                    cudaStream_t st);
   void fp8_input_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8, bf16* dx, cudaStream_t st);
   void fp8_weight_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8t, const uint8_t* x8t, cudaStream_t st);
+  // A bf16 weight gradient dW = dy^T x with its bias gradient db (may be null), as the backward's
+  // write_ says: under accumulation the bias gradient goes through bias_grad_ and is added.
+  void bf16_weight_grad(Gemm& gemm, const bf16* dy, const bf16* x, float* dW, float* db, int M, int N, int K,
+                        cudaStream_t st, int lddy = 0);
 
   // Marks tensor t as read in fp32 (see freeze_fp32_reads).
   const float* p(int t) const {
@@ -200,7 +208,8 @@ class ViT {
   AttentionForward attention_forward_ = AttentionForward::Auto;
   AttentionBackward attention_backward_ = AttentionBackward::Auto;
   CudnnAttention *cudnn_forward_ = nullptr, *cudnn_backward_ = nullptr;
-  int gradient_ranks_ = 1;
+  int batches_summed_ = 1;
+  GradWrite write_ = GradWrite::Overwrite;  // the running backward's
   // FP8 operands of the products at hand: a forward input (in the backward, the GELU output
   // recomputed), the kept LayerNorm codes transposed (xt8_), two output gradients (fc2's lives
   // on while fc1's is made), and each Linear's output gradient transposed (dy8t_, by Lin: a
@@ -227,6 +236,7 @@ class ViT {
   bf16* lnf_;
   // backward temporaries, reused block after block
   float *dresid_, *partial_, *delta_;
+  float* bias_grad_;  // under accumulation, a bias gradient before it is added
   // dresid_'s bf16 copy: of a block's output (dresid_bf16_), of its middle state (dmid_bf16_)
   bf16 *dresid_bf16_, *dmid_bf16_, *dhidden_, *dln_, *dattn_, *dqkv_, *dlogits_, *dfeat_, *dpatch_;
   bf16* gelu_;  // bf16: the current block's GELU output, forward and (recomputed) backward

@@ -381,14 +381,18 @@ TEST_CASE("gpu: an interrupted run resumed from its checkpoint gives the uninter
   SKIP_WITHOUT_GPU();
   struct Case {
     const char *precision, *optimizer;
+    int accum_steps;
   };
-  for (const Case c : {Case{"bf16", "sgd"}, Case{"fp8", "sgd"}, Case{"bf16", "adamw"}, Case{"fp8", "adamw"}}) {
+  for (const Case c : {Case{"bf16", "sgd", 1}, Case{"fp8", "sgd", 1}, Case{"bf16", "adamw", 1}, Case{"fp8", "adamw", 1},
+                       Case{"bf16", "adamw", 3}, Case{"fp8", "sgd", 2}}) {
     CAPTURE(c.precision);
     CAPTURE(c.optimizer);
-    const fs::path d = temp_dir(std::string("resume_") + c.precision + c.optimizer);
+    CAPTURE(c.accum_steps);
+    const fs::path d = temp_dir(std::string("resume_") + c.precision + c.optimizer + std::to_string(c.accum_steps));
     const std::string adamw = " --lr 0.002 --weight-decay 0.05 --betas 0.9,0.95";
     const std::string args = kSmall + " --precision " + c.precision + " --optimizer " + c.optimizer +
-                             (std::string(c.optimizer) == "adamw" ? adamw : "");
+                             (std::string(c.optimizer) == "adamw" ? adamw : "") +
+                             " --accum-steps " + std::to_string(c.accum_steps);
     // Killed (a failure injected) at the start of step 11, after the checkpoint of step 10.
     const InterruptedRun r = run_interrupted_and_resumed(args, d.string(), 10, "--save-every 5 --keep 2");
     REQUIRE_INTERRUPTED_AND_RESUMED(r);

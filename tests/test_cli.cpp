@@ -73,6 +73,17 @@ TEST_CASE("cli: --optimizer adamw with torch's defaults; each optimizer's flags 
   CHECK(usage_error({"--optimizer", "adamw", "--eps", "0"}).find("--eps must be between") != std::string::npos);
 }
 
+TEST_CASE("cli: --accum-steps counts micro-batches; the reference dump and --eval-only take none") {
+  CHECK(parse({"--accum-steps", "4"}).accum_steps == 4);
+  CHECK(parse({}).accum_steps == 1);
+  CHECK(usage_error({"--accum-steps", "0"}).find("--accum-steps must be between 1") != std::string::npos);
+  CHECK(usage_error({"--accum-steps", "2", "--dump-reference", "/tmp/x"}).find("nor --accum-steps") !=
+        std::string::npos);
+  CHECK(usage_error({"--eval-only", "--init-from", "/dev/null", "--accum-steps", "2", "--data", "fashion-mnist:/tmp",
+                     "--img", "28", "--patch", "4", "--channels", "1", "--classes", "10"})
+            .find("--accum-steps") != std::string::npos);
+}
+
 TEST_CASE("cli: --reset-head only with --init-from") {
   CHECK(usage_error({"--reset-head"}).find("--reset-head needs --init-from FILE") != std::string::npos);
 }

@@ -471,3 +471,102 @@ TEST_CASE("gpu: a second stream (the weight gradients, the optimizer) gives the 
     }
   }
 }
+
+TEST_CASE("gpu: gradient accumulation: 4 micro-batches of 16 give the gradients of one batch of 64, in bf16 and fp8, on one stream and two") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  ViTConfig cfg = small_config();
+  cfg.dim = 128; cfg.depth = 3; cfg.heads = 4;
+  constexpr int kMicro = 4, B = 16, kWhole = kMicro * B;
+  const size_t image_floats = size_t(3) * 32 * 32;
+  for (Precision precision : {Precision::BF16, Precision::FP8})
+    for (bool two_streams : {false, true}) {
+      CAPTURE(precision == Precision::FP8);
+      CAPTURE(two_streams);
+      const uint64_t seed = rng();
+      std::mt19937_64 data_rng(seed);
+      const auto images = to_f32(round_f32(random_vec(data_rng, kWhole * image_floats, -2, 2)));
+      std::vector<int> labels(kWhole);
+      for (int& l : labels) l = static_cast<int>(data_rng() % cfg.classes);
+      StepUnderTest whole(cfg, kWhole, precision), micro(cfg, B, precision);
+      micro.model.set_batches_summed(kMicro);
+      if (two_streams) micro.step.set_second_stream(true, 32u << 20, false);
+      Gemm gemm_whole(32u << 20, false), gemm_micro(32u << 20, false);
+      OpTimer timer(false);
+      const size_t n = whole.model.layout().total();
+      // The batch of 64: its gradients, after a priming pass whose FP8 scales both models then use.
+      whole.step.init(seed, 0);
+      micro.step.init(seed, 0);
+      CUDA_CHECK(cudaMemcpy(whole.model.images(), images.data(), images.size() * 4, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(whole.model.labels(), labels.data(), kWhole * 4, cudaMemcpyHostToDevice));
+      whole.step.prime_fp8_scales(0, gemm_whole, timer);
+      if (precision == Precision::FP8) {
+        CUDA_CHECK(cudaMemcpy(micro.fp8->metas(), whole.fp8->metas(), whole.fp8->count() * sizeof(Fp8Meta),
+                              cudaMemcpyDeviceToDevice));
+        micro.model.cast_fp8_weights(0);
+      }
+      whole.step.begin(0);
+      whole.step.forward(0, gemm_whole, timer);
+      whole.step.backward(0, gemm_whole, timer);
+      const std::vector<float> g_whole = download(whole.model.grads(), n);
+      auto upload_micro = [&](int m) {
+        CUDA_CHECK(cudaMemcpy(micro.model.images(), images.data() + m * B * image_floats, B * image_floats * 4,
+                              cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(micro.model.labels(), labels.data() + m * B, B * 4, cudaMemcpyHostToDevice));
+      };
+      // Each micro-batch's gradients alone (FP8: the same scales, nothing recorded), summed here.
+      std::vector<double> g_sum(n, 0.0);
+      if (micro.fp8) micro.fp8->set_recording(false);
+      for (int m = 0; m < kMicro; ++m) {
+        upload_micro(m);
+        micro.step.forward(0, gemm_micro, timer);
+        micro.step.backward(0, gemm_micro, timer);
+        const std::vector<float> g = download(micro.model.grads(), n);
+        for (size_t i = 0; i < n; ++i) g_sum[i] += g[i];
+      }
+      if (micro.fp8) micro.fp8->set_recording(true);
+      // The step as the trainer runs it: the first backward writes over the poison, the others add.
+      CUDA_CHECK(cudaMemset(micro.model.grads(), 0xFF, n * 4));
+      micro.step.begin(0);
+      std::vector<Fp8Meta> metas_before;
+      for (int m = 0; m < kMicro; ++m) {
+        upload_micro(m);
+        micro.step.forward(0, gemm_micro, timer);
+        micro.step.backward(0, gemm_micro, timer, {}, m == 0 ? GradWrite::Overwrite : GradWrite::Accumulate);
+        if (m == 0 && micro.fp8) metas_before = download(micro.fp8->metas(), micro.fp8->count());
+        micro.step.end(0, m + 1 == kMicro);
+        if (m == 0 && micro.fp8) {  // the weights' records stay until the optimizer step; the others advance
+          const std::vector<Fp8Meta> after = download(micro.fp8->metas(), micro.fp8->count());
+          for (int t = 0; t < micro.fp8->count(); ++t) {
+            CAPTURE(t);
+            if (micro.model.fp8_tensor_is_weight(t)) {
+              CHECK(std::memcmp(&after[t], &metas_before[t], sizeof(Fp8Meta)) == 0);
+            } else {
+              CHECK(after[t].history[0] == metas_before[t].amax);
+              CHECK(after[t].history[0] > 0);
+            }
+          }
+        }
+      }
+      const std::vector<float> g_acc = download(micro.model.grads(), n);
+      double worst_sum = 0, worst_whole = 0;
+      for (const ParamTensor& t : micro.model.layout().tensors()) {
+        CAPTURE(t.name);
+        std::vector<double> acc(g_acc.begin() + t.offset, g_acc.begin() + t.offset + t.numel);
+        std::vector<double> sum(g_sum.begin() + t.offset, g_sum.begin() + t.offset + t.numel);
+        std::vector<double> one(g_whole.begin() + t.offset, g_whole.begin() + t.offset + t.numel);
+        for (double v : acc) REQUIRE(std::isfinite(v));
+        const double e_sum = rel_error(acc, sum), e_whole = rel_error(acc, one);
+        worst_sum = std::max(worst_sum, e_sum);
+        worst_whole = std::max(worst_whole, e_whole);
+        // Against the micro-batches' own sum: fp32 summation order (the accumulating GEMM may run
+        // another algorithm); against the batch of 64: the GEMMs' algorithms differ by row count,
+        // which moves bf16 roundings of the activations.
+        CHECK(e_sum < (precision == Precision::FP8 ? 1e-4 : 1e-5));
+        CHECK(e_whole < 2e-2);
+      }
+      MESSAGE((precision == Precision::FP8 ? "fp8" : "bf16") << (two_streams ? ", two streams" : ", one stream")
+              << ": accumulated gradients vs the micro-batches' sum: worst relative error " << worst_sum
+              << "; vs one batch of 64: " << worst_whole);
+    }
+}
