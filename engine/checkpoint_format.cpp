@@ -58,6 +58,12 @@ void write_checkpoint_files(const std::string& dir, const ViTConfig& model, cons
 }
 
 namespace {
+std::string regularisation_text(const TrainOptions& o) {
+  char t[96];
+  std::snprintf(t, sizeof t, "regularisation drop-path %.9g, label-smoothing %.9g", o.drop_path, o.label_smoothing);
+  return t;
+}
+
 std::string optimizer_text(const TrainOptions& o) {
   char t[160];
   if (o.optimizer == OptimizerKind::Sgd)
@@ -76,7 +82,7 @@ std::string run_schedule_text(const TrainOptions& o) {
   return "seed " + std::to_string(o.seed) + "\ndata " + choice_name(o.data) +
          (o.data_dir.empty() ? "" : ":" + o.data_dir) + "\nschedule " + choice_name(o.lr_schedule) + ", lr " + lr +
          ", warmup-steps " + std::to_string(o.warmup_steps) + ", steps " + std::to_string(o.steps) + "\n" +
-         optimizer_text(o) + "\n";
+         optimizer_text(o) + "\n" + regularisation_text(o) + "\n";
 }
 
 std::vector<std::string> resume_differences(const std::string& run_txt, const TrainOptions& opts) {

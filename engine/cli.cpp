@@ -146,6 +146,8 @@ optimizer (fp32 master weights and state):
   --warmup-steps N       linear learning-rate warm-up (default 0)
   --clip-grad X          clip the gradients' global L2 norm to X
   --label-smoothing X    cross-entropy against (1 - X) onehot + X / classes
+  --drop-path X          stochastic depth as timm's drop_path_rate: per sample,
+                         rates rising linearly over the blocks to X (default 0)
 checkpoints:
   --save DIR             checkpoints under DIR (timm-loadable weights, optimizer
                          and FP8 state); a DIR with checkpoints only with
@@ -274,6 +276,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--eps", [&](const std::string& f, const std::string& v) { o.eps = parse_double(f, v, 1e-30, 1); }},
       {"--clip-grad", [&](const std::string& f, const std::string& v) { o.clip_grad = parse_double(f, v, 1e-6, 1e9); }},
       {"--label-smoothing", [&](const std::string& f, const std::string& v) { o.label_smoothing = parse_double(f, v, 0, 0.999); }},
+      {"--drop-path", [&](const std::string& f, const std::string& v) { o.drop_path = parse_double(f, v, 0, 0.99); }},
       {"--log-every", [&](const std::string& f, const std::string& v) { o.log_every = parse_int(f, v, 1, 1 << 30); }},
       {"--peak-tflops", [&](const std::string& f, const std::string& v) { o.peak_tflops = parse_double(f, v, 1e-3, 1e6); }},
       {"--save", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a directory"); o.save_dir = v; }},
@@ -384,9 +387,9 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
         bad("--eval-only needs a test split: no " + o.data_dir + "/val directory (pack_images SRC " + o.data_dir + "/val)");
     }
     if (!o.save_dir.empty() || !o.dump_reference.empty() || o.timing || o.epochs > 0 || o.reset_head ||
-        o.accum_steps > 1)
-      bad("--eval-only trains nothing: it takes neither --save, --dump-reference, --timing, --epochs, --accum-steps "
-          "nor --reset-head (a new head is untrained)");
+        o.accum_steps > 1 || o.drop_path > 0)
+      bad("--eval-only trains nothing: it takes neither --save, --dump-reference, --timing, --epochs, --accum-steps, "
+          "--drop-path nor --reset-head (a new head is untrained)");
   }
   if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
   if (given.count("--keep") && o.save_dir.empty()) bad("--keep needs --save DIR");

@@ -43,6 +43,7 @@ struct TrainOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // AdamW
   double clip_grad = 0;        // clip the gradients' global L2 norm to this (0: off)
   double label_smoothing = 0;  // PyTorch's CrossEntropyLoss(label_smoothing=...)
+  double drop_path = 0;        // stochastic depth: timm's drop_path_rate
   LrSchedule::Kind lr_schedule = LrSchedule::Kind::Constant;
   int warmup_steps = 0;  // linear learning-rate warm-up
   // FP8.

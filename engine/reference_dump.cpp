@@ -48,10 +48,10 @@ void dump_reference(Trainer& trainer, const TrainOptions& o) {
                 "{\"img\": %d, \"patch\": %d, \"channels\": %d, \"classes\": %d, \"dim\": %d, \"depth\": %d, "
                 "\"heads\": %d, \"mlp_ratio\": %.17g, \"batch\": %d, \"optimizer\": \"%s\", \"lr\": %.17g, "
                 "\"momentum\": %.17g, \"weight_decay\": %.17g, \"nesterov\": %s, \"betas\": [%.17g, %.17g], "
-                "\"eps\": %.17g, \"steps\": %d}\n",
+                "\"eps\": %.17g, \"drop_path\": %.9g, \"steps\": %d}\n",
                 c.img, c.patch, c.channels, c.classes, c.dim, c.depth, c.heads, c.mlp_ratio, B,
                 choice_name(o.optimizer), o.lr, o.momentum, o.weight_decay, o.nesterov ? "true" : "false", o.beta1,
-                o.beta2, o.eps, o.steps);
+                o.beta2, o.eps, model.drop_path(), o.steps);
   write_text_file(dir + "/config.json", json);
   const std::vector<float> init = to_host(model.params(), layout.total(), s);
   write_safetensors(dir + "/init.safetensors", named_tensors(layout, init, ""));
@@ -59,10 +59,13 @@ void dump_reference(Trainer& trainer, const TrainOptions& o) {
 
   std::vector<std::vector<float>> images;
   std::vector<std::vector<int64_t>> labels;
+  std::vector<std::vector<float>> drop_masks;  // stochastic depth's scales, [depth][2][B] a step
   std::vector<float> losses;
   for (int step = 0; step < o.steps; ++step) {
     trainer.load_batch(step);
     images.push_back(to_host(model.images(), image_floats, s));
+    if (model.drop_path() > 0)
+      drop_masks.push_back(to_host(model.drop_path_scales(), static_cast<size_t>(2) * c.depth * B, s));
     const std::vector<int> l = to_host(model.labels(), B, s);
     labels.emplace_back(l.begin(), l.end());
     trainer.forward_backward();
@@ -89,6 +92,9 @@ void dump_reference(Trainer& trainer, const TrainOptions& o) {
     batches.push_back({"images." + std::to_string(step), "F32", {B, c.channels, c.img, c.img}, images[step].data(),
                        images[step].size() * sizeof(float)});
     batches.push_back({"labels." + std::to_string(step), "I64", {B}, labels[step].data(), labels[step].size() * 8});
+    if (!drop_masks.empty())
+      batches.push_back({"drop_path." + std::to_string(step), "F32", {c.depth, 2, B}, drop_masks[step].data(),
+                         drop_masks[step].size() * sizeof(float)});
   }
   write_safetensors(dir + "/batches.safetensors", batches);
   std::string lj = "{\"losses\": [";

@@ -21,7 +21,8 @@
 #include "kernels/reduce.h"
 
 namespace {
-constexpr uint64_t kDataStream = 1ull << 40;  // random streams of the data, apart from the weights'
+// Random streams apart from the weights': the data's and the drop-path masks', one a step each.
+constexpr uint64_t kDataStream = 1ull << 40, kDropPathStream = 2ull << 40;
 
 // A test aid: VIT_TRAIN_TEST_FAIL=RANK:STEP makes that rank fail at that step, so the tests can
 // check that the other ranks stop cleanly. Returns the step for this rank, or -1.
@@ -140,6 +141,9 @@ void Trainer::check_ranks_agree_on(const WeightChecksums& checksums) {
 void Trainer::load_batch(int step, int micro) {
   auto t = timer_->op(OpKind::Data, stream_);
   const int K = opts_.accum_steps;
+  // This rank's slice of the step's global batch, micro-batch by micro-batch.
+  const int64_t slice = int64_t(micro) * ctx_.world + ctx_.rank;
+  model_->draw_drop_path(opts_.seed, kDropPathStream + step, slice * opts_.batch, stream_);
   if (train_loader_) {
     const int per_epoch = steps_per_epoch();
     train_loader_->load(step / per_epoch, step % per_epoch * K + micro, model_->images(), model_->labels(), stream_);
@@ -149,9 +153,8 @@ void Trainer::load_batch(int step, int micro) {
   const ViTConfig& cfg = opts_.model;
   const size_t n = static_cast<size_t>(opts_.batch) * cfg.channels * cfg.img * cfg.img;
   // The seed's synthetic data: N(0, 1) images, label = global sample index % classes. A rank
-  // draws its slice of the global batch, micro-batch by micro-batch, so that N ranks x K
-  // micro-batches x B see what one GPU x one batch of N K B would.
-  const int64_t slice = int64_t(micro) * ctx_.world + ctx_.rank;
+  // draws its slice of the global batch, so that N ranks x K micro-batches x B see what one
+  // GPU x one batch of N K B would.
   fill_normal(model_->images(), n, opts_.seed, kDataStream + step, 0.0f, 1.0f, -INFINITY, INFINITY, stream_,
               slice * n);
   fill_labels(model_->labels(), opts_.batch, (static_cast<int64_t>(step) * K * ctx_.world + slice) * opts_.batch,
@@ -226,6 +229,7 @@ Trainer::Accuracy Trainer::evaluate() {
   NvtxRange range("evaluation");
   OpTimer untimed(false);
   if (fp8_) fp8_->set_recording(false);
+  model_->clear_drop_path();  // evaluation drops nothing; the next training batch draws again
   CUDA_CHECK(cudaMemsetAsync(correct_, 0, 2 * sizeof(int), stream_));
   for (int i = ctx_.rank; i < test_loader_->batches_per_epoch(); i += ctx_.world) {  // this rank's share
     const int real = test_loader_->load(0, i, model_->images(), model_->labels(), stream_);

@@ -79,7 +79,8 @@ class Trainer {
   // One step's pieces, in order (also used by the reference dump): for each of the step's
   // micro-batches (--accum-steps; one by default) its batch and its forward and backward, then
   // the update.
-  void load_batch(int step, int micro_batch = 0);  // into model().images()/labels()
+  // Into model().images()/labels(), and the micro-batch's drop-path masks drawn.
+  void load_batch(int step, int micro_batch = 0);
   void forward_backward(int micro_batch = 0, bool sync_gradients = true);
   void optimizer_step(int step);
   void end_step(int step);  // --timing: collects the step's event times

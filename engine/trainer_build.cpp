@@ -198,6 +198,7 @@ void Trainer::build_model() {
   // ~16 scopes a block, ~31 in fp8, a forward and backward per micro-batch.
   timer_ = std::make_unique<OpTimer>(opts_.timing, 64 + 40 * cfg.depth * opts_.accum_steps);
   model_->set_batches_summed(ctx_.world * opts_.accum_steps);
+  model_->set_drop_path(static_cast<float>(opts_.drop_path));
   if (opts_.accum_steps > 1) CUDA_CHECK(cudaMalloc(&step_loss_, sizeof(float)));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(&scalar_, sizeof(float)));

@@ -105,6 +105,9 @@ void Trainer::print_summary() const {
                 opts_.accum_steps > 1 ? (" x " + std::to_string(opts_.accum_steps) +
                                          " micro-batches a step (gradients accumulated)").c_str() : "",
                 opts_.steps, opts_.warmup, static_cast<unsigned long long>(opts_.seed), optimizer);
+  if (!opts_.eval_only && (opts_.drop_path > 0 || opts_.label_smoothing > 0))
+    std::printf("              stochastic depth %g (timm's drop_path_rate, per sample), label smoothing %g\n",
+                opts_.drop_path, opts_.label_smoothing);
   std::printf("  model FLOPs %.1f GFLOP per image per training step\n", cfg.train_flops_per_image() / 1e9);
   std::printf("  memory      (allocated once, at start-up)\n");
   size_t total = gemm_workspaces();

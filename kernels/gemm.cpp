@@ -156,7 +156,7 @@ const Gemm::Plan& Gemm::plan(const GemmShape& s, const void* A, const void* B, c
 }
 
 void Gemm::run(const GemmShape& s, const void* A, const void* B, const void* C, void* D,
-               const void* bias, cudaStream_t stream, const float* a_scale, const float* b_scale) {
+               const void* bias, cudaStream_t stream, const float* a_scale, const float* b_scale, float alpha) {
   ENSURE(s.with_c == (C != nullptr) && (s.epilogue != Epilogue::None) == (bias != nullptr),
           "GEMM operands do not match its shape: " + describe(s));
   NvtxRange range("gemm");
@@ -171,29 +171,29 @@ void Gemm::run(const GemmShape& s, const void* A, const void* B, const void* C, 
          "FP8 GEMMs take two FP8 operands (not both E5M2), K contiguous in both, and both scales: " + describe(s));
   const Plan& p = plan(s, A, B, C, D, bias, stream, a_scale, b_scale);
   set_pointers(p, bias, a_scale, b_scale);
-  const float alpha = 1.0f, beta = C ? 1.0f : 0.0f;
+  const float beta = C ? 1.0f : 0.0f;
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, B, p.a, A, p.b, &beta, C ? C : D, p.cd, D,
                               p.cd, &p.algo, workspace_, workspace_bytes_, stream));
 }
 
 void Gemm::linear_forward(const void* x, const void* W, const void* bias, const void* residual,
                           void* y, DType y_type, int M, int N, int K, cudaStream_t stream,
-                          int ldy) {
+                          int ldy, float alpha) {
   const GemmShape s{M, N, K, false, true, K, K, ldy ? ldy : N, y_type, residual != nullptr,
                     bias ? Epilogue::Bias : Epilogue::None};
-  run(s, x, W, residual, y, bias, stream);
+  run(s, x, W, residual, y, bias, stream, nullptr, nullptr, alpha);
 }
 
 void Gemm::linear_fp8(const void* a, DType a_type, const float* a_scale, const void* b, DType b_type,
                       const float* b_scale, const void* bias, const void* residual, void* y, DType y_type, int M,
-                      int N, int K, cudaStream_t stream, int ldy, bool fast_accum) {
+                      int N, int K, cudaStream_t stream, int ldy, bool fast_accum, float alpha) {
   ENSURE(y_type == DType::BF16 || y_type == DType::F32, "linear_fp8: the output is bf16 or fp32");
   GemmShape s{M, N, K, false, true, K, K, ldy ? ldy : N, y_type, residual != nullptr,
               bias ? Epilogue::Bias : Epilogue::None};
   s.a_type = a_type;
   s.b_type = b_type;
   s.fast_accum = fast_accum;
-  run(s, a, b, residual, y, bias, stream, a_scale, b_scale);
+  run(s, a, b, residual, y, bias, stream, a_scale, b_scale, alpha);
 }
 
 void Gemm::linear_backward_input(const void* dy, const void* W, void* dx, int M, int N, int K,

@@ -58,14 +58,15 @@ class Gemm {
 
   // bias: the epilogue's vector (read for Bias, written for BiasGrad), nullptr for None.
   // a_scale, b_scale: the FP8 operands' dequantisation factors (device pointers), else nullptr.
+  // alpha scales the product alone: D = alpha op(A) op(B) + C + bias.
   void run(const GemmShape& s, const void* A, const void* B, const void* C, void* D, const void* bias,
-           cudaStream_t stream, const float* a_scale = nullptr, const float* b_scale = nullptr);
+           cudaStream_t stream, const float* a_scale = nullptr, const float* b_scale = nullptr, float alpha = 1.0f);
 
   // The Linear layer's three products (PyTorch layout: W is [out, in]):
-  // y[M, N] = x[M, K] W[N, K]^T (+ bias) (+ residual, same dtype and layout as y)
+  // y[M, N] = alpha x[M, K] W[N, K]^T (+ bias) (+ residual, same dtype and layout as y)
   void linear_forward(const void* x, const void* W, const void* bias, const void* residual,
                       void* y, DType y_type, int M, int N, int K, cudaStream_t stream,
-                      int ldy = 0);
+                      int ldy = 0, float alpha = 1.0f);
   // dx[M, K] = dy[M, N] W[N, K]   (bf16 out)
   void linear_backward_input(const void* dy, const void* W, void* dx, int M, int N, int K,
                              cudaStream_t stream, int lddy = 0);
@@ -75,12 +76,12 @@ class Gemm {
   void linear_backward_weight(const void* dy, const void* x, float* dW, float* db, int M, int N,
                               int K, cudaStream_t stream, int lddy = 0, GradWrite write = GradWrite::Overwrite);
 
-  // The FP8 product in the one layout Hopper runs: y[M, N] = (a_scale a[M, K]) (b_scale b[N, K])^T
+  // The FP8 product in the one layout Hopper runs: y[M, N] = alpha (a_scale a[M, K]) (b_scale b[N, K])^T
   // (+ bias, bf16 whatever y's dtype) (+ residual, y's dtype and layout); y bf16 or fp32. The three products of a Linear layer all take this form, given
   // transposed FP8 copies where the contraction runs along tokens or output features.
   void linear_fp8(const void* a, DType a_type, const float* a_scale, const void* b, DType b_type, const float* b_scale,
                   const void* bias, const void* residual, void* y, DType y_type, int M, int N, int K,
-                  cudaStream_t stream, int ldy = 0, bool fast_accum = false);
+                  cudaStream_t stream, int ldy = 0, bool fast_accum = false, float alpha = 1.0f);
 
   size_t plans_cached() const { return plans_.size(); }
 

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     layernorm_backward_kernel(const bf16* __restrict__ dy, const float* __restrict__ x, int row_stride,
                               const float* __restrict__ w, const float* __restrict__ mean,
                               const float* __restrict__ rstd, float* __restrict__ g, bf16* __restrict__ g_bf16,
-                              float* __restrict__ partial, int M, int D) {
+                              SampleScale branch_scale, float* __restrict__ partial, int M, int D) {
   extern __shared__ float4 column_sums[];  // [kWarps][dw, db][D / 4]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D4 = D / 4;
   float4* dw_sum = column_sums + warp * 2 * D4;
@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       s2 += a * (xv[j].x - mu) + b * (xv[j].y - mu) + c * (xv[j].z - mu) + e * (xv[j].w - mu);
     }
     const float m1 = warp_sum(s1) / D, m2 = warp_sum(s2) * rs / D;
+    const float bs = branch_scale.scale ? branch_scale.scale[row / branch_scale.rows_per_sample] : 1.0f;
     uint2* gbr = reinterpret_cast<uint2*>(g_bf16 + static_cast<size_t>(row) * row_stride);
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       gn.z += rs * (d.z * wv.z - m1 - xh.z * m2);
       gn.w += rs * (d.w * wv.w - m1 - xh.w * m2);
       gr[i] = gn;
-      gbr[i] = make_uint2(pack_bf16x2(gn.x, gn.y), pack_bf16x2(gn.z, gn.w));
+      gbr[i] = make_uint2(pack_bf16x2(gn.x * bs, gn.y * bs), pack_bf16x2(gn.z * bs, gn.w * bs));
       float4 sw = dw_sum[i], sb = db_sum[i];
       sw.x += d.x * xh.x; sw.y += d.y * xh.y; sw.z += d.z * xh.z; sw.w += d.w * xh.w;
       sb.x += d.x; sb.y += d.y; sb.z += d.z; sb.w += d.w;
@@ -226,10 +227,11 @@ size_t layernorm_partial_floats(int M, int D) { return static_cast<size_t>(backw
 
 void layernorm_backward(const bf16* dy, const float* x, int row_stride, const float* w, const float* mean,
                         const float* rstd, float* g, bf16* g_bf16, float* dw, float* db, float* partial, int M, int D,
-                        cudaStream_t stream, GradWrite write) {
+                        cudaStream_t stream, GradWrite write, SampleScale branch_scale) {
   NvtxRange range("layernorm_backward");
   ENSURE(D % 8 == 0 && D <= 128 * kMaxChunks && row_stride % 4 == 0 && is_aligned16(x) && is_aligned16(g) &&
-             is_aligned16(dy) && is_aligned16(g_bf16) && is_aligned16(w) && is_aligned16(partial),
+             is_aligned16(dy) && is_aligned16(g_bf16) && is_aligned16(w) && is_aligned16(partial) &&
+             branch_scale.rows_per_sample > 0,
          "layernorm_backward: D must be a multiple of 8 up to 1536, rows 16-byte aligned");
   const unsigned blocks = backward_blocks(M);
   int dev = 0;
@@ -240,7 +242,7 @@ void layernorm_backward(const bf16* dy, const float* x, int row_stride, const fl
     prepare_kernel<&layernorm_backward_kernel<kChunks>>(dev, kWarps * 2 * 128 * kChunks * sizeof(float),
                                                         cudaSharedmemCarveoutDefault);
     layernorm_backward_kernel<kChunks><<<blocks, kWarps * 32, static_cast<size_t>(kWarps) * 2 * D * sizeof(float),
-                                          stream>>>(dy, x, row_stride, w, mean, rstd, g, g_bf16, partial, M, D);
+                                          stream>>>(dy, x, row_stride, w, mean, rstd, g, g_bf16, branch_scale, partial, M, D);
   });
   LAUNCH_CHECK();
   sum_rows(partial, blocks, D, 2 * D, dw, stream, write);

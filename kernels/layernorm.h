@@ -15,12 +15,19 @@ void layernorm_forward(const float* x, int x_row_stride, const float* w, const f
 // forward GEMM's operand; out_t must be null: a row per warp has no transposed tile).
 void layernorm_forward_fp8(const float* x, int x_row_stride, const float* w, const float* b, const Fp8Out& o,
                            float* mean, float* rstd, int M, int D, float eps, cudaStream_t stream);
+// Stochastic depth: the gradient of a residual branch's output is the residual gradient times
+// its sample's drop-path scale; scale[r / rows_per_sample] is row r's (null: 1).
+struct SampleScale {
+  const float* scale = nullptr;
+  int rows_per_sample = 1;
+};
 // Backward, fused with the residual: g[r] += dLN/dx (rows at g_row_stride, fp32, in place) and
-// g_bf16[r] = bf16(g[r]) for the next GEMM; dy [M, D] bf16 contiguous. The weight and bias
+// g_bf16[r] = bf16(g[r] * branch_scale of r) for the next GEMM (the branch below, whose output
+// gradient it is); dy [M, D] bf16 contiguous. The weight and bias
 // gradients go to dw, db (written or added to, as `write` says) through per-block partial sums in
 // partial (layernorm_partial_floats(M, D) floats).
 void layernorm_backward(const __nv_bfloat16* dy, const float* x, int row_stride, const float* w,
                         const float* mean, const float* rstd, float* g, __nv_bfloat16* g_bf16,
                         float* dw, float* db, float* partial, int M, int D, cudaStream_t stream,
-                        GradWrite write = GradWrite::Overwrite);
+                        GradWrite write = GradWrite::Overwrite, SampleScale branch_scale = {});
 size_t layernorm_partial_floats(int M, int D);

@@ -6,7 +6,7 @@
 
 namespace {
 const char* kOpNames[] = {"GEMM (cuBLASLt)", "FP8 casts", "bias grads", "attention", "LayerNorm", "GELU",
-                          "patch/pos embed", "loss", "optimizer", "data", "all-reduce wait"};
+                          "patch/pos embed", "drop path", "loss", "optimizer", "data", "all-reduce wait"};
 const char* kPhaseNames[] = {"forward", "backward", "optimizer"};
 }  // namespace
 

@@ -11,7 +11,7 @@
 
 // CommWait: the compute stream waiting for the gradient all-reduce (the part not hidden behind
 // the backward) and for the FP8 amax reduce.
-enum class OpKind { Gemm, Fp8Cast, BiasGrad, Attention, LayerNorm, Gelu, Embed, Loss, Optimizer, Data, CommWait, Count };
+enum class OpKind { Gemm, Fp8Cast, BiasGrad, Attention, LayerNorm, Gelu, Embed, DropPath, Loss, Optimizer, Data, CommWait, Count };
 enum class Phase { Forward, Backward, Optimizer, Count };
 
 class OpTimer {

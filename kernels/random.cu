@@ -1,21 +1,10 @@
 #include "kernels/check.h"
 #include "kernels/common.cuh"
 #include "kernels/random.h"
+#include "kernels/random.cuh"
 
 namespace {
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Uniform in (0, 1): 24 random bits, never 0 (log is taken of it).
-__device__ __forceinline__ float uniform01(uint64_t key, uint64_t counter) {
-  return (static_cast<float>(splitmix64(key ^ splitmix64(counter)) >> 40) + 0.5f) * (1.0f / 16777216.0f);
-}
 
 __global__ void normal_kernel(float* __restrict__ out, size_t n, uint64_t key, float mean, float std, float lo,
                               float hi, size_t first) {
@@ -40,17 +29,13 @@ __global__ void labels_kernel(int* labels, int n, int64_t first, int classes) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) labels[i] = static_cast<int>((first + i) % classes);
 }
-
-uint64_t make_key(uint64_t seed, uint64_t stream_id) {
-  return seed * 0x2545f4914f6cdd1dull ^ (stream_id + 0x632be59bd9b4e019ull) * 0x9e3779b97f4a7c15ull;
-}
 }  // namespace
 
 void fill_normal(float* out, size_t n, uint64_t seed, uint64_t stream_id, float mean, float std, float lo,
                  float hi, cudaStream_t stream, size_t first_index) {
   ENSURE(lo < hi, "fill_normal: empty truncation interval");
   if (n == 0) return;
-  normal_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), mean, std,
+  normal_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, n, random_key(seed, stream_id), mean, std,
                                                                            lo, hi, first_index);
   LAUNCH_CHECK();
 }
@@ -58,7 +43,7 @@ void fill_normal(float* out, size_t n, uint64_t seed, uint64_t stream_id, float 
 void fill_uniform(float* out, size_t n, uint64_t seed, uint64_t stream_id, float lo, float hi,
                   cudaStream_t stream) {
   if (n == 0) return;
-  uniform_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, n, make_key(seed, stream_id), lo, hi);
+  uniform_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, n, random_key(seed, stream_id), lo, hi);
   LAUNCH_CHECK();
 }
 

@@ -8,6 +8,7 @@
 #include "kernels/attention.h"
 #include "kernels/check.h"
 #include "kernels/cudnn_attention.h"
+#include "kernels/drop_path.h"
 #include "kernels/elementwise.h"
 #include "kernels/embed.h"
 #include "kernels/layernorm.h"
@@ -97,6 +98,9 @@ ViT::ViT(const ViTConfig& cfg, int batch, MemoryRequest& memory, Precision preci
   work(&dfeat_, B * D);
   work(&dpatch_, B * P * D);
   work(&bias_grad_, std::max<size_t>(3 * D, classes_ld_));
+  work(&drop_scales_, 2 * cfg.depth * B);
+  work(&branch_bias_, D);
+  work(&branch_bias_bf16_, D);
   if (cfg.patch_dim_padded() != cfg.patch_dim()) {  // the patch embedding's weight and gradient, padded rows
     work(&patch_w_padded_, D * cfg.patch_dim_padded());
     work(&patch_grad_padded_, D * cfg.patch_dim_padded());
@@ -193,13 +197,13 @@ void ViT::refresh_weight_copies(cudaStream_t stream) {
 // ---- FP8 products ----
 
 void ViT::fp8_forward(Gemm& gemm, int l, Lin lin, const uint8_t* x8, const float* residual, void* y, DType y_type,
-                      cudaStream_t st) {
+                      cudaStream_t st, float alpha) {
   const Linear& L = linears_[l][lin];
   // Fast accumulation in the forward products only, as Transformer Engine does: the gradients'
   // products keep cuBLASLt's periodic promotion to fp32 (E5M2 carries less precision already).
   gemm.linear_fp8(x8, DType::E4M3, &meta(l, lin, kInput)->scale_inv, L.w8, DType::E4M3,
-                  &meta(l, lin, kWeight)->scale_inv, pb(L.b), residual, y, y_type, M_, L.n, L.k, st, 0,
-                  /*fast_accum=*/true);
+                  &meta(l, lin, kWeight)->scale_inv, branch_bias(pb(L.b), alpha, st), residual, y, y_type, M_, L.n,
+                  L.k, st, 0, /*fast_accum=*/true, alpha);
 }
 
 void ViT::fp8_input_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8, bf16* dx, cudaStream_t st) {
@@ -228,6 +232,43 @@ void ViT::bf16_weight_grad(Gemm& gemm, const bf16* dy, const bf16* x, float* dW,
   // critical path before the blocks' weight gradients fork off it and after they join it.
   gemm.linear_backward_weight(dy, x, dW, bias_grad_, M, N, K, st, lddy, GradWrite::Accumulate);
   sum_into(db, bias_grad_, 0, 1, N, st);
+}
+
+// ---- stochastic depth ----
+
+void ViT::draw_drop_path(uint64_t seed, uint64_t stream_id, int64_t first_sample, cudaStream_t st) {
+  if (drop_path_ <= 0.0f) return;
+  NvtxRange range("drop path masks");
+  ::draw_drop_path(drop_scales_, cfg_.depth, B_, drop_path_, seed, stream_id, first_sample, st);
+  drop_path_drawn_ = true;
+}
+
+const float* ViT::branch_scales(int l, int branch) const {
+  if (!drop_path_drawn_ || drop_path_keep(drop_path_, l, cfg_.depth) >= 1.0f) return nullptr;
+  return drop_scales_ + static_cast<size_t>(2 * l + branch) * B_;
+}
+
+float ViT::branch_alpha(int l, int branch) const {
+  return branch_scales(l, branch) ? 1.0f / drop_path_keep(drop_path_, l, cfg_.depth) : 1.0f;
+}
+
+const float* ViT::branch_bias(const float* bias, float alpha, cudaStream_t st) {
+  if (alpha == 1.0f) return bias;
+  scale_vector(bias, alpha, branch_bias_, cfg_.dim, st);
+  return branch_bias_;
+}
+
+const bf16* ViT::branch_bias(const bf16* bias, float alpha, cudaStream_t st) {
+  if (alpha == 1.0f) return bias;
+  scale_vector(bias, alpha, branch_bias_bf16_, cfg_.dim, st);
+  return branch_bias_bf16_;
+}
+
+void ViT::restore_dropped(int l, int branch, const float* before, float* after, cudaStream_t st, OpTimer& timer) {
+  const float* scales = branch_scales(l, branch);
+  if (!scales) return;
+  auto t = timer.op(OpKind::DropPath, st);
+  restore_dropped_rows(before, after, scales, M_, T_, cfg_.dim, st);
 }
 
 void ViT::unexpected_fp32_read(int t) const {
@@ -362,7 +403,8 @@ void ViT::attention_bwd(const BlockActs& a, cudaStream_t st) {
 }
 
 // x_mid = x + proj(attn(LN1(x))), x_out = x_mid + fc2(gelu(fc1(LN2(x_mid)))); the residual adds
-// ride in the GEMMs' epilogues, the residual stream is fp32.
+// ride in the GEMMs' epilogues, the residual stream is fp32. Under stochastic depth each branch is
+// scaled per sample (kernels/drop_path.h).
 void ViT::forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) {
   const int D = cfg_.dim, Hd = cfg_.hidden();
   const BlockParams& w = layout_.blocks[l];
@@ -375,15 +417,20 @@ void ViT::forward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer)
     gemm.linear_forward(a.ln1, pb(L[kQkv].w), pb(L[kQkv].b), nullptr, a.qkv, DType::BF16, M_, 3 * D, D, st); }
   { auto t = timer.op(OpKind::Attention, st);
     attention_fwd(a, st); }
+  const float attn_alpha = branch_alpha(l, 0), mlp_alpha = branch_alpha(l, 1);
   { auto t = timer.op(OpKind::Gemm, st);
-    gemm.linear_forward(a.attn, pb(L[kProj].w), p(L[kProj].b), x, resid(2 * l + 1), DType::F32, M_, D, D, st); }
+    gemm.linear_forward(a.attn, pb(L[kProj].w), branch_bias(p(L[kProj].b), attn_alpha, st), x, resid(2 * l + 1),
+                        DType::F32, M_, D, D, st, 0, attn_alpha); }
+  restore_dropped(l, 0, x, resid(2 * l + 1), st, timer);
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_forward(x_mid, D, p(w.norm2_w), p(w.norm2_b), a.ln2, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps, st); }
   { auto t = timer.op(OpKind::Gemm, st);
     gemm.linear_forward(a.ln2, pb(L[kFc1].w), pb(L[kFc1].b), nullptr, a.fc1, DType::BF16, M_, Hd, D, st); }
   { auto t = timer.op(OpKind::Gelu, st); gelu_forward(a.fc1, gelu_, static_cast<size_t>(M_) * Hd, st); }
   { auto t = timer.op(OpKind::Gemm, st);
-    gemm.linear_forward(gelu_, pb(L[kFc2].w), p(L[kFc2].b), x_mid, resid(2 * l + 2), DType::F32, M_, D, Hd, st); }
+    gemm.linear_forward(gelu_, pb(L[kFc2].w), branch_bias(p(L[kFc2].b), mlp_alpha, st), x_mid, resid(2 * l + 2),
+                        DType::F32, M_, D, Hd, st, 0, mlp_alpha); }
+  restore_dropped(l, 1, x_mid, resid(2 * l + 2), st, timer);
 }
 
 // The same block with the four Linear layers in FP8: each GEMM input is written in FP8 by the
@@ -405,7 +452,9 @@ void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) 
   { auto t = timer.op(OpKind::Fp8Cast, st);  // the attention output stays in bf16 for its own backward
     produce_fp8(l, kProj, kInput, x8_, a.attn8t, st,
                 [&](const Fp8Out& o) { cast_to_fp8(a.attn, M_, D, o, st); }); }
-  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kProj, x8_, x, resid(2 * l + 1), DType::F32, st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    fp8_forward(gemm, l, kProj, x8_, x, resid(2 * l + 1), DType::F32, st, branch_alpha(l, 0)); }
+  restore_dropped(l, 0, x, resid(2 * l + 1), st, timer);
   { auto t = timer.op(OpKind::LayerNorm, st);
     produce_fp8(l, kFc1, kInput, a.ln2_8, nullptr, st, [&](const Fp8Out& o) {
       layernorm_forward_fp8(x_mid, D, p(w.norm2_w), p(w.norm2_b), o, a.ln2_mean, a.ln2_rstd, M_, D, kLayerNormEps,
@@ -415,7 +464,9 @@ void ViT::forward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer) 
   { auto t = timer.op(OpKind::Gelu, st);
     produce_fp8(l, kFc2, kInput, x8_, nullptr, st,
                 [&](const Fp8Out& o) { gelu_forward_fp8(a.fc1, M_, Hd, o, st); }); }
-  { auto t = timer.op(OpKind::Gemm, st); fp8_forward(gemm, l, kFc2, x8_, x_mid, resid(2 * l + 2), DType::F32, st); }
+  { auto t = timer.op(OpKind::Gemm, st);
+    fp8_forward(gemm, l, kFc2, x8_, x_mid, resid(2 * l + 2), DType::F32, st, branch_alpha(l, 1)); }
+  restore_dropped(l, 1, x_mid, resid(2 * l + 2), st, timer);
 }
 
 void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::function<void(size_t)>& grads_ready_from,
@@ -439,7 +490,8 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
     CUDA_CHECK(cudaMemsetAsync(dresid_bf16_, 0, static_cast<size_t>(M_) * D * sizeof(bf16), st));
     { auto t = timer.op(OpKind::LayerNorm, st);
       layernorm_backward(dfeat_, resid(2 * cfg_.depth), T_ * D, p(layout_.norm_w), lnf_mean_, lnf_rstd_, dresid_,
-                         dresid_bf16_, g(layout_.norm_w), g(layout_.norm_b), partial_, B_, D, st, write_); }
+                         dresid_bf16_, g(layout_.norm_w), g(layout_.norm_b), partial_, B_, D, st, write_,
+                         SampleScale{branch_scales(cfg_.depth - 1, 1), 1}); }
   }
   ready_from(layout_.norm_w);
   const WeightGradStream* side = wgrad && wgrad->stream ? wgrad : nullptr;
@@ -523,7 +575,7 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
   wl.before_writing(kProj);  // dmid_bf16_
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dmid_bf16_,
-                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st, write_); }
+                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st, write_, SampleScale{branch_scales(l, 0), T_}); }
   // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
   { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_input(dmid_bf16_, pb(L[kProj].w), dattn_, M_, D, D, st); }
   wl.fork();
@@ -537,7 +589,8 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
   wl.before_writing(kFc2);  // dresid_bf16_, read by this block's fc2 weight gradient
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
-                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st, write_); }
+                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st, write_,
+                       SampleScale{l > 0 ? branch_scales(l - 1, 1) : nullptr, T_}); }
 }
 
 // The same in FP8. Each output gradient is cast once into both FP8 copies (dy for the input
@@ -581,7 +634,7 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer,
   weight_grad(kFc1, xt8_);
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l + 1), D, p(w.norm2_w), a.ln2_mean, a.ln2_rstd, dresid_, dmid_bf16_,
-                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st, write_); }
+                       g(w.norm2_w), g(w.norm2_b), partial_, M_, D, st, write_, SampleScale{branch_scales(l, 0), T_}); }
   // Attention: dresid is now the gradient of the block's middle state, and of proj's output.
   output_grad(kProj, dmid_bf16_, D);
   { auto t = timer.op(OpKind::Gemm, st); fp8_input_grad(gemm, l, kProj, dy8_[0], dattn_, st); }
@@ -596,5 +649,6 @@ void ViT::backward_block_fp8(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer,
   weight_grad(kQkv, xt8_);
   { auto t = timer.op(OpKind::LayerNorm, st);
     layernorm_backward(dln_, resid(2 * l), D, p(w.norm1_w), a.ln1_mean, a.ln1_rstd, dresid_, dresid_bf16_,
-                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st, write_); }
+                       g(w.norm1_w), g(w.norm1_b), partial_, M_, D, st, write_,
+                       SampleScale{l > 0 ? branch_scales(l - 1, 1) : nullptr, T_}); }
 }

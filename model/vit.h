@@ -111,6 +111,19 @@ class ViT {
   // is the global batch's mean gradient.
   void set_batches_summed(int batches) { batches_summed_ = batches; }
 
+  // Stochastic depth (timm's drop_path_rate; 0, the default, is off): see kernels/drop_path.h.
+  void set_drop_path(float rate) { drop_path_ = rate; }
+  float drop_path() const { return drop_path_; }
+  // The per-sample masks of the training forwards and backwards that follow, drawn on the device
+  // (draw_drop_path: the same seed, stream and first sample draw the same masks, so a resumed run
+  // draws what the uninterrupted one drew). After clear_drop_path() (an evaluation), no branch is
+  // dropped until the next draw.
+  void draw_drop_path(uint64_t seed, uint64_t stream_id, int64_t first_sample, cudaStream_t stream);
+  void clear_drop_path() { drop_path_drawn_ = false; }
+  // [depth][2][batch]: the last draw's scales (0 or 1 / keep) of each block's attention and MLP
+  // branch, per sample.
+  const float* drop_path_scales() const { return drop_scales_; }
+
   // Forward and loss on images [B, C, H, W] fp32 and labels [B]; leaves loss() and logits().
   // part_updated (optional): an update of the parameters still running elsewhere; the forward
   // waits for part_updated[p] before it reads part p.
@@ -178,14 +191,26 @@ class ViT {
   }
   // The three FP8 products of a Linear layer. x8 [M, k] and w8 make y [M, n]; dy8 [M, n] and w8t
   // make dx [M, k]; dy8t [n, M] and x8t [k, M] make dW [n, k] (fp32).
+  // alpha (stochastic depth: 1 / keep) scales the product and its bias.
   void fp8_forward(Gemm& gemm, int l, Lin lin, const uint8_t* x8, const float* residual, void* y, DType y_type,
-                   cudaStream_t st);
+                   cudaStream_t st, float alpha = 1.0f);
   void fp8_input_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8, bf16* dx, cudaStream_t st);
   void fp8_weight_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8t, const uint8_t* x8t, cudaStream_t st);
   // A bf16 weight gradient dW = dy^T x with its bias gradient db (may be null), as the backward's
   // write_ says: under accumulation the bias gradient goes through bias_grad_ and is added.
   void bf16_weight_grad(Gemm& gemm, const bf16* dy, const bf16* x, float* dW, float* db, int M, int N, int K,
                         cudaStream_t st, int lddy = 0);
+
+  // Stochastic depth of block l's branch (0 the attention's, 1 the MLP's): its per-sample scales,
+  // or null where no sample can be dropped (off, not drawn, or keep 1: the first block).
+  const float* branch_scales(int l, int branch) const;
+  float branch_alpha(int l, int branch) const;  // 1 / keep where branch_scales is not null, else 1
+  // The bias of a branch product run with alpha: bias * alpha in scratch (alpha scales the
+  // product alone), or bias itself where alpha is 1.
+  const float* branch_bias(const float* bias, float alpha, cudaStream_t st);
+  const bf16* branch_bias(const bf16* bias, float alpha, cudaStream_t st);
+  // A branch's residual add for its dropped samples: the block's state before it, restored.
+  void restore_dropped(int l, int branch, const float* before, float* after, cudaStream_t st, OpTimer& timer);
 
   // Marks tensor t as read in fp32 (see freeze_fp32_reads).
   const float* p(int t) const {
@@ -209,6 +234,8 @@ class ViT {
   AttentionBackward attention_backward_ = AttentionBackward::Auto;
   CudnnAttention *cudnn_forward_ = nullptr, *cudnn_backward_ = nullptr;
   int batches_summed_ = 1;
+  float drop_path_ = 0.0f;
+  bool drop_path_drawn_ = false;
   GradWrite write_ = GradWrite::Overwrite;  // the running backward's
   // FP8 operands of the products at hand: a forward input (in the backward, the GELU output
   // recomputed), the kept LayerNorm codes transposed (xt8_), two output gradients (fc2's lives
@@ -237,6 +264,9 @@ class ViT {
   // backward temporaries, reused block after block
   float *dresid_, *partial_, *delta_;
   float* bias_grad_;  // under accumulation, a bias gradient before it is added
+  float* drop_scales_;  // [depth][2][B] (drop_path_scales)
+  float* branch_bias_;  // [dim]: a branch's bias * alpha (bf16 products: branch_bias_bf16_)
+  bf16* branch_bias_bf16_;
   // dresid_'s bf16 copy: of a block's output (dresid_bf16_), of its middle state (dmid_bf16_)
   bf16 *dresid_bf16_, *dmid_bf16_, *dhidden_, *dln_, *dattn_, *dqkv_, *dlogits_, *dfeat_, *dpatch_;
   bf16* gelu_;  // bf16: the current block's GELU output, forward and (recomputed) backward

@@ -184,7 +184,8 @@ TEST_CASE("checkpoint: a resumed run's changed seed, data, schedule or optimizer
   o.steps = 5000;
   const std::string text = run_schedule_text(o);
   CHECK(text == "seed 7\ndata packed:/data/p\nschedule cosine, lr 0.1, warmup-steps 100, steps 5000\n"
-                "optimizer sgd, momentum 0.9, weight-decay 0, nesterov off\n");
+                "optimizer sgd, momentum 0.9, weight-decay 0, nesterov off\n"
+                "regularisation drop-path 0, label-smoothing 0\n");
   const std::string run_txt = "step 1000\nmodel vit_h16 ...\nprecision bf16\nbatch 64 per rank, 1 rank(s)\n" + text;
   CHECK(resume_differences(run_txt, o).empty());
   TrainOptions other = o;
@@ -382,17 +383,19 @@ TEST_CASE("gpu: an interrupted run resumed from its checkpoint gives the uninter
   struct Case {
     const char *precision, *optimizer;
     int accum_steps;
+    const char* drop_path;
   };
-  for (const Case c : {Case{"bf16", "sgd", 1}, Case{"fp8", "sgd", 1}, Case{"bf16", "adamw", 1}, Case{"fp8", "adamw", 1},
-                       Case{"bf16", "adamw", 3}, Case{"fp8", "sgd", 2}}) {
+  for (const Case c : {Case{"bf16", "sgd", 1, "0"}, Case{"fp8", "sgd", 1, "0"}, Case{"bf16", "adamw", 1, "0"},
+                       Case{"fp8", "adamw", 1, "0"}, Case{"bf16", "adamw", 3, "0.3"}, Case{"fp8", "sgd", 2, "0.2"}}) {
     CAPTURE(c.precision);
     CAPTURE(c.optimizer);
     CAPTURE(c.accum_steps);
+    CAPTURE(c.drop_path);
     const fs::path d = temp_dir(std::string("resume_") + c.precision + c.optimizer + std::to_string(c.accum_steps));
     const std::string adamw = " --lr 0.002 --weight-decay 0.05 --betas 0.9,0.95";
     const std::string args = kSmall + " --precision " + c.precision + " --optimizer " + c.optimizer +
                              (std::string(c.optimizer) == "adamw" ? adamw : "") +
-                             " --accum-steps " + std::to_string(c.accum_steps);
+                             " --accum-steps " + std::to_string(c.accum_steps) + " --drop-path " + c.drop_path;
     // Killed (a failure injected) at the start of step 11, after the checkpoint of step 10.
     const InterruptedRun r = run_interrupted_and_resumed(args, d.string(), 10, "--save-every 5 --keep 2");
     REQUIRE_INTERRUPTED_AND_RESUMED(r);

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "kernels/cudnn_attention.h"
+#include "kernels/drop_path.h"
 #include "kernels/attention.h"
 #include "kernels/elementwise.h"
 #include "kernels/embed.h"
@@ -135,6 +136,30 @@ TEST_CASE("gpu: layernorm forward and backward against the reference") {
     CHECK(rel_error(gb_rows, g_ref_rows) < kBf16OutTol);
     CHECK(rel_error(to_f64(ddw.download()), dw_ref) < 1e-5);
     CHECK(rel_error(to_f64(ddb.download()), db_ref) < 1e-5);
+
+    // Again, accumulating the weight gradients into those just written, with per-sample branch
+    // scales on the bf16 copy (3 rows a sample; stochastic depth's 0 and 1 / keep).
+    const int rows_per_sample = 3, samples = (M + rows_per_sample - 1) / rows_per_sample;
+    std::vector<float> scales(samples);
+    for (int i = 0; i < samples; ++i) scales[i] = i % 3 == 0 ? 0.0f : 1.0f / 0.7f;
+    DeviceBuffer<float> dscales(scales);
+    layernorm_backward(ddy.get(), dx_all.get(), stride, dw.get(), dmean.get(), drstd.get(), dg.get(), dg_bf16.get(),
+                       ddw.get(), ddb.get(), partial.get(), M, D, 0, GradWrite::Accumulate,
+                       SampleScale{dscales.get(), rows_per_sample});
+    const auto g2 = dg.download();
+    const auto gb2 = dg_bf16.download();
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < D; ++c) {
+        const size_t o = static_cast<size_t>(r) * stride + c;
+        REQUIRE(__bfloat162float(gb2[o]) == __bfloat162float(__float2bfloat16_rn(g2[o] * scales[r / rows_per_sample])));
+      }
+    std::vector<double> dw2(D), db2(D);
+    for (int c = 0; c < D; ++c) {
+      dw2[c] = 2 * dw_ref[c];
+      db2[c] = 2 * db_ref[c];
+    }
+    CHECK(rel_error(to_f64(ddw.download()), dw2) < 1e-5);
+    CHECK(rel_error(to_f64(ddb.download()), db2) < 1e-5);
   }
 }
 
@@ -252,7 +277,73 @@ TEST_CASE("gpu: column sums") {
     out.poison();
     colsum(xb.get(), M, N, ld, out.get(), partial.get(), 0);
     CHECK(rel_error(to_f64(out.download()), ref_sum) < 1e-5);
+    // Accumulating: added to what out holds.
+    const auto before = random_vec(rng, N);
+    out.upload(to_f32(before));
+    colsum(xb.get(), M, N, ld, out.get(), partial.get(), 0, GradWrite::Accumulate);
+    std::vector<double> want(N);
+    for (int c = 0; c < N; ++c) want[c] = static_cast<float>(before[c]) + ref_sum[c];
+    CHECK(rel_error(to_f64(out.download()), want) < 1e-5);
   }
+}
+
+TEST_CASE("gpu: stochastic depth: timm's linear rates, 0 or 1 / keep per sample, drawn alike in slices; dropped rows restored") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  const int blocks = 5, B = 4000;
+  const float rate = 0.4f;
+  const uint64_t seed = rng();
+  DeviceBuffer<float> whole(2 * blocks * B), part(2 * blocks * (B / 4));
+  draw_drop_path(whole.get(), blocks, B, rate, seed, 7, 0, 0);
+  const std::vector<float> w = whole.download();
+  for (int l = 0; l < blocks; ++l) {
+    CAPTURE(l);
+    const float keep = drop_path_keep(rate, l, blocks);
+    CHECK(keep == doctest::Approx(1.0 - 0.4 * l / 4).epsilon(1e-6));
+    for (int branch = 0; branch < 2; ++branch) {
+      int kept = 0;
+      for (int b = 0; b < B; ++b) {
+        const float v = w[static_cast<size_t>(2 * l + branch) * B + b];
+        REQUIRE((v == 0.0f || v == 1.0f / keep));
+        kept += v != 0.0f;
+      }
+      // Binomial(4000, keep): within 5 standard deviations.
+      CHECK(std::abs(kept - keep * B) <= 5 * std::sqrt(B * keep * (1 - keep)) + 1e-9);
+    }
+  }
+  // A slice of the batch (a micro-batch or a rank's share) draws its samples' masks.
+  draw_drop_path(part.get(), blocks, B / 4, rate, seed, 7, 2 * (B / 4), 0);
+  const std::vector<float> p = part.download();
+  for (int i = 0; i < 2 * blocks; ++i)
+    for (int b = 0; b < B / 4; ++b)
+      REQUIRE(p[static_cast<size_t>(i) * (B / 4) + b] == w[static_cast<size_t>(i) * B + 2 * (B / 4) + b]);
+  // Another stream (the next step) draws other masks.
+  draw_drop_path(part.get(), blocks, B / 4, rate, seed, 8, 2 * (B / 4), 0);
+  CHECK(part.download() != p);
+
+  // restore_dropped_rows: the dropped samples' rows back from x, the others untouched.
+  const int T = 5, D = 12, S = 7;
+  const std::vector<float> sample_scales = {0.0f, 2.0f, 0.0f, 0.0f, 1.25f, 2.0f, 0.0f};
+  const auto x = to_f32(random_vec(rng, static_cast<size_t>(S) * T * D));
+  const auto y0 = to_f32(random_vec(rng, static_cast<size_t>(S) * T * D));
+  DeviceBuffer<float> dx(x), dy(y0), ds(sample_scales);
+  restore_dropped_rows(dx.get(), dy.get(), ds.get(), S * T, T, D, 0);
+  const std::vector<float> y = dy.download();
+  for (int r = 0; r < S * T; ++r)
+    for (int c = 0; c < D; ++c) {
+      const size_t i = static_cast<size_t>(r) * D + c;
+      REQUIRE(y[i] == (sample_scales[r / T] == 0.0f ? x[i] : y0[i]));
+    }
+  // scale_vector, fp32 and bf16.
+  const auto v = to_f32(random_vec(rng, 100));
+  DeviceBuffer<float> vin(v), vout(100);
+  scale_vector(vin.get(), 1.5f, vout.get(), 100, 0);
+  const std::vector<float> vo = vout.download();
+  for (int i = 0; i < 100; ++i) REQUIRE(vo[i] == v[i] * 1.5f);
+  DeviceBuffer<bf16> bin(to_bf16(to_f64(v))), bout(100);
+  scale_vector(bin.get(), 1.5f, bout.get(), 100, 0);
+  const std::vector<bf16> bi = bin.download(), bo = bout.download();
+  for (int i = 0; i < 100; ++i) REQUIRE(__bfloat162float(bo[i]) == __bfloat162float(__float2bfloat16_rn(__bfloat162float(bi[i]) * 1.5f)));
 }
 
 

@@ -12,6 +12,7 @@
 #include "engine/fp8_recipe.h"
 #include "engine/optimizer.h"
 #include "engine/training_step.h"
+#include "kernels/drop_path.h"
 #include "kernels/gemm.h"
 #include "kernels/optimizer.h"
 #include "kernels/reduce.h"
@@ -122,18 +123,21 @@ std::vector<double> random_params(const ParamLayout& layout, std::mt19937_64& rn
 
 namespace {
 // The engine's loss, logits and gradients on one random batch, next to the float64 reference.
+// With drop_path, under stochastic depth: the masks the engine draws are given to the reference.
 struct Comparison {
   double loss, ref_loss, logits_err;
   std::vector<std::string> names;
   std::vector<double> rel_err, cosine;
+  std::vector<float> drop_scales;  // [depth][2][B], the engine's draw
 };
 
 Comparison compare_with_reference(Precision precision, int B, std::mt19937_64& rng,
                                   const ViTConfig& cfg = small_config(),
-                                  AttentionBackward attention = AttentionBackward::Auto) {
+                                  AttentionBackward attention = AttentionBackward::Auto, float drop_path = 0.0f) {
   StepUnderTest s(cfg, B, precision);
   ViT& model = s.model;
   model.set_attention_backward(attention);
+  model.set_drop_path(drop_path);
   const ParamLayout& layout = model.layout();
   const auto params = random_params(layout, rng);
   const auto images =
@@ -146,6 +150,7 @@ Comparison compare_with_reference(Precision precision, int B, std::mt19937_64& r
   s.step.refresh_weight_copies(0);
   CUDA_CHECK(cudaMemcpy(model.images(), to_f32(images).data(), images.size() * 4, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(model.labels(), labels.data(), B * 4, cudaMemcpyHostToDevice));
+  if (drop_path > 0) model.draw_drop_path(rng(), 0, 0, 0);
   Gemm gemm(32u << 20);
   OpTimer timer(false);
   s.step.prime_fp8_scales(0, gemm, timer);  // FP8: scales from this batch's amaxes (no-op in bf16)
@@ -156,8 +161,14 @@ Comparison compare_with_reference(Precision precision, int B, std::mt19937_64& r
   s.step.end(0);
   CUDA_CHECK(cudaDeviceSynchronize());
 
-  const ref::ModelResult want = ref::model_forward_backward(cfg, layout, params, B, images, labels);
   Comparison c;
+  std::vector<double> drop_scales;
+  if (drop_path > 0) {
+    c.drop_scales = download(model.drop_path_scales(), static_cast<size_t>(2) * cfg.depth * B);
+    drop_scales.assign(c.drop_scales.begin(), c.drop_scales.end());
+  }
+  const ref::ModelResult want =
+      ref::model_forward_backward(cfg, layout, params, B, images, labels, drop_path > 0 ? &drop_scales : nullptr);
   float loss = 0;
   CUDA_CHECK(cudaMemcpy(&loss, model.loss(), 4, cudaMemcpyDeviceToHost));
   c.loss = loss;
@@ -569,4 +580,46 @@ TEST_CASE("gpu: gradient accumulation: 4 micro-batches of 16 give the gradients 
               << ": accumulated gradients vs the micro-batches' sum: worst relative error " << worst_sum
               << "; vs one batch of 64: " << worst_whole);
     }
+}
+
+TEST_CASE("gpu: stochastic depth: the engine's masks given to the CPU reference give its gradients, in bf16 and fp8") {
+  SKIP_WITHOUT_GPU();
+  FRESH_RNG(rng);
+  ViTConfig cfg = small_config();
+  cfg.depth = 3;  // keep 1, 0.6, 0.2: block 0 never drops, block 2 mostly
+  const float rate = 0.8f;
+  const int B = 16;
+  for (Precision precision : {Precision::BF16, Precision::FP8}) {
+    CAPTURE(precision == Precision::FP8);
+    const Comparison c = compare_with_reference(precision, B, rng, cfg, AttentionBackward::Auto, rate);
+    MESSAGE((precision == Precision::FP8 ? "fp8" : "bf16") << " with --drop-path " << rate << ": loss engine "
+            << c.loss << ", reference " << c.ref_loss << "; logits rel err " << c.logits_err << "\n" << table(c));
+    // The masks: block 0 keeps every sample at scale 1; the others 0 or 1 / keep, some of each
+    // (a draw of 16 samples at keep 0.6 and 0.2 has both with probability > 0.99).
+    int dropped = 0, kept = 0;
+    for (int l = 0; l < cfg.depth; ++l)
+      for (int branch = 0; branch < 2; ++branch)
+        for (int b = 0; b < B; ++b) {
+          const float v = c.drop_scales[static_cast<size_t>(2 * l + branch) * B + b];
+          const float keep = drop_path_keep(rate, l, cfg.depth);
+          CHECK((v == 0.0f || v == 1.0f / keep));
+          if (l == 0) CHECK(v == 1.0f);
+          else (v == 0.0f ? dropped : kept) += 1;
+        }
+    CHECK(dropped > 0);
+    CHECK(kept > 0);
+    CHECK(std::abs(c.loss - c.ref_loss) / c.ref_loss < (precision == Precision::FP8 ? 5e-2 : 1e-2));
+    for (size_t i = 0; i < c.names.size(); ++i) {  // the bounds of the bf16 and FP8 whole-model tests
+      CAPTURE(c.names[i]);
+      if (precision == Precision::BF16) {
+        CHECK(c.rel_err[i] < 5e-2);
+      } else {
+        const std::string& n = c.names[i];
+        const bool deepest = n.rfind("blocks.0.norm1", 0) == 0 || n.rfind("blocks.0.attn.qkv", 0) == 0 ||
+                             n.rfind("patch_embed", 0) == 0 || n == "cls_token" || n == "pos_embed";
+        CHECK(c.cosine[i] > (deepest ? 0.9 : 0.95));
+        CHECK(c.rel_err[i] < (deepest ? 0.5 : 0.35));
+      }
+    }
+  }
 }

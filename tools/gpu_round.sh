@@ -17,7 +17,11 @@
 # (Fashion-MNIST through the packed data path end to end, and the loader's images/s).
 # Every part runs even if an earlier one fails; logs go to $OUT (default /tmp/gpu_round).
 # ref_h_adamw is the reference tier on ViT-H with AdamW; finetune and finetune_h check --init-from
-# with --reset-head and another image size against timm's own loading (tools/finetune_check.py).
+# with --reset-head and another image size against timm's own loading (tools/finetune_check.py);
+# ref_small_droppath and ref_h_droppath run the reference tier under stochastic depth (timm applies
+# the engine's masks); accum times ViT-H at --batch 16 --accum-steps 4 against --batch 64, three
+# rounds alternated; fashion_adamw is the AdamW recipe on Fashion-MNIST (issue 32's real run) in
+# each precision of $FASHION_PRECISIONS (default "bf16 fp8"), its checkpoint then evaluated alone.
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small ref_small_adamw bench timing ref_h)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +125,34 @@ save_file({k: v.contiguous() for k, v in m.state_dict().items()}, '/tmp/timm_ini
     finetune) run finetune python3 tools/finetune_check.py --model small
       run finetune_down python3 tools/finetune_check.py --model small_down ;;
     finetune_h) run finetune_h python3 tools/finetune_check.py --model vit_h16 ;;
+    ref_small_droppath)
+      rm -rf /tmp/ref_small_dp
+      run ref_small_droppath_dump ./vit_train $SMALL --depth 4 --drop-path 0.5 --optimizer adamw --lr 0.001 \
+        --weight-decay 0.05 --steps 10 --dump-reference /tmp/ref_small_dp
+      run ref_small_droppath python3 tools/timm_reference.py /tmp/ref_small_dp ;;
+    ref_h_droppath)
+      rm -rf /tmp/ref_h_dp
+      run ref_h_droppath_dump ./vit_train --steps 10 --drop-path 0.4 --optimizer adamw --lr 1e-4 --weight-decay 0.05 \
+        --dump-reference /tmp/ref_h_dp
+      run ref_h_droppath python3 tools/timm_reference.py /tmp/ref_h_dp ;;
+    accum)
+      for round in 1 2 3; do
+        for prec in bf16 fp8; do
+          run "accum_${prec}_b64_r$round" ./vit_train --precision $prec --batch 64 --steps 40 --warmup 10 --log-every 40
+          run "accum_${prec}_b16x4_r$round" ./vit_train --precision $prec --batch 16 --accum-steps 4 --steps 40 \
+            --warmup 10 --log-every 40
+        done
+      done ;;
+    fashion_adamw)
+      for prec in ${FASHION_PRECISIONS:-bf16 fp8}; do
+        rm -rf "/tmp/fm_adamw_$prec"
+        fm="--data fashion-mnist:${FASHION_MNIST:-/usr/share/datasets/fashion-mnist} --img 28 --patch 4 --channels 1 \
+          --classes 10 --dim 192 --depth 6 --heads 3 --batch 128 --precision $prec"
+        run "fashion_adamw_$prec" ./vit_train $fm --epochs 10 --optimizer adamw --lr 1e-3 --weight-decay 0.05 \
+          --lr-schedule cosine --warmup-steps 468 --log-every 468 --save "/tmp/fm_adamw_$prec" \
+          --log "$OUT/fashion_adamw_$prec.jsonl"
+        run "fashion_adamw_${prec}_eval" ./vit_train $fm --eval-only --resume "/tmp/fm_adamw_$prec"
+      done ;;
     ref_h_adamw)
       rm -rf /tmp/ref_h_adamw
       run ref_h_adamw_dump ./vit_train --steps 10 --optimizer adamw --lr 1e-4 --weight-decay 0.05 \

@@ -6,9 +6,12 @@ Usage: python3 tools/timm_reference.py DUMP_DIR [--tol-grad X] [--tol-loss X] [-
 DUMP_DIR is written by the engine:
   config.json          img, patch, channels, classes, dim, depth, heads, mlp_ratio, batch,
                        optimizer (sgd or adamw), lr, momentum, weight_decay, nesterov, betas, eps,
-                       steps
+                       drop_path, steps
   init.safetensors     initial weights, F32, timm state_dict names and shapes
-  batches.safetensors  "images.{s}" F32 [B,C,H,W] and "labels.{s}" I64 [B], s = 0..steps-1
+  batches.safetensors  "images.{s}" F32 [B,C,H,W] and "labels.{s}" I64 [B], s = 0..steps-1; with
+                       stochastic depth (drop_path > 0) "drop_path.{s}" F32 [depth,2,B]: the
+                       engine's per-sample scale (0 or 1/keep) of each block's attention and MLP
+                       branch, which timm's blocks then apply in place of their own draws
   step0.safetensors    the engine's "logits" [B,classes], "loss" [1] and "grad.{name}" on batch 0
   losses.json          {"losses": [...]}: the engine's loss of each step, taken before its update
   final.safetensors    the engine's weights after the last step
@@ -37,6 +40,7 @@ import os
 import sys
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from timm.models.vision_transformer import VisionTransformer
@@ -53,18 +57,46 @@ def gib(nbytes):
     return nbytes / 2**30
 
 
+class GivenDropPath(nn.Module):
+    """timm's DropPath with the engine's draw: x times its sample's scale (0 or 1/keep), the scale
+    in x's dtype as timm's random tensor is (bf16 under autocast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = None  # [B] for the next forward
+
+    def forward(self, x):
+        return x * self.scale.to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+
+
 def build_model(cfg, state):
-    """timm's ViT for cfg on the GPU in fp32, holding `state`.
+    """timm's ViT for cfg on the GPU in fp32, holding `state`; with stochastic depth, its blocks'
+    DropPath modules replaced by GivenDropPath (set_masks gives them the engine's draw).
 
     load_state_dict(strict=True) raises RuntimeError on a missing, unexpected or misshapen tensor.
     """
+    rate = cfg.get("drop_path", 0.0)
     with torch.device("cuda"):  # initialise on the GPU: fast even for ViT-H, and overwritten anyway
         model = VisionTransformer(
             img_size=cfg["img"], patch_size=cfg["patch"], in_chans=cfg["channels"],
             num_classes=cfg["classes"], embed_dim=cfg["dim"], depth=cfg["depth"],
-            num_heads=cfg["heads"], mlp_ratio=cfg["mlp_ratio"])
+            num_heads=cfg["heads"], mlp_ratio=cfg["mlp_ratio"], drop_path_rate=rate)
     model.load_state_dict(state, strict=True)
-    return model.train()  # every dropout rate is 0, so train and eval compute the same
+    if rate > 0:
+        for block in model.blocks:
+            block.drop_path1, block.drop_path2 = GivenDropPath(), GivenDropPath()
+    return model.train()  # dropout rates are 0; stochastic depth draws nothing of its own
+
+
+def set_masks(model, batches, step, start=0, end=None):
+    """The engine's drop-path scales of `step` for samples [start, end) (a no-op without)."""
+    masks = batches.get(f"drop_path.{step}")
+    if masks is None:
+        return
+    masks = masks.cuda()
+    for l, block in enumerate(model.blocks):
+        block.drop_path1.scale = masks[l, 0, start:end]
+        block.drop_path2.scale = masks[l, 1, start:end]
 
 
 def autocast_step(model, images, labels):
@@ -78,7 +110,7 @@ def autocast_step(model, images, labels):
     return logits.detach().float(), loss.detach(), grads
 
 
-def truth_step(model, images, labels, chunk):
+def truth_step(model, images, labels, chunk, batches):
     """The float64 forward and backward, `chunk` images at a time to bound activation memory.
 
     Converts `model` to float64 in place. Images are independent in a ViT, so only the loss couples
@@ -91,6 +123,7 @@ def truth_step(model, images, labels, chunk):
     for start in range(0, batch, chunk):
         x = images[start:start + chunk].double()
         y = labels[start:start + chunk]
+        set_masks(model, batches, 0, start, start + chunk)
         out = model(x)
         chunk_loss = F.cross_entropy(out, y, reduction="sum") / batch
         chunk_loss.backward()
@@ -156,12 +189,13 @@ def check_step0(model, batches, step0, tol, chunk):
     labels = batches["labels.0"].cuda().long()
 
     log("step 0: bf16 autocast forward/backward (fp32 parameters)")
+    set_masks(model, batches, 0)
     auto_logits, auto_loss, auto_grads = autocast_step(model, images, labels)
     log(f"  done, peak GPU memory {gib(torch.cuda.max_memory_allocated()):.1f} GiB")
     torch.cuda.empty_cache()
 
     log(f"step 0: float64 truth forward/backward in chunks of {chunk} images")
-    truth_logits, truth_loss, truth_grads = truth_step(model, images, labels, chunk)
+    truth_logits, truth_loss, truth_grads = truth_step(model, images, labels, chunk, batches)
 
     rows = [compare("logits", step0.get("logits"), auto_logits, truth_logits, tol),
             compare("loss", step0["loss"].reshape(-1) if "loss" in step0 else None,
@@ -221,6 +255,7 @@ def timm_training(cfg, init, batches, steps, autocast=True):
     for s in range(steps):
         images = batches[f"images.{s}"].cuda()
         labels = batches[f"labels.{s}"].cuda().long()
+        set_masks(model, batches, s)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = F.cross_entropy(model(images), labels)
         opt.zero_grad(set_to_none=True)

@@ -76,9 +76,24 @@ Vec add(const Vec& a, const Vec& b) {
   return r;
 }
 
-// x_out = x + proj(attn(norm1(x))); x_out += fc2(gelu(fc1(norm2(x_out)))). Fills c.
+// v [B * T, D] with each sample's T rows times its scale (stochastic depth); v itself where
+// scales is null.
+Vec scale_samples(Vec v, const double* scales, int T, int D) {
+  if (!scales) return v;
+  const size_t per_sample = static_cast<size_t>(T) * D;
+  for (size_t i = 0; i < v.size(); ++i) v[i] *= scales[i / per_sample];
+  return v;
+}
+
+// The per-sample scales of block l's branch (0 attention, 1 MLP), or null without stochastic depth.
+const double* branch_scales(const Vec* drop_scales, int l, int branch, int B) {
+  return drop_scales ? drop_scales->data() + static_cast<size_t>(2 * l + branch) * B : nullptr;
+}
+
+// x_out = x + proj(attn(norm1(x))); x_out += fc2(gelu(fc1(norm2(x_out)))), each branch times its
+// sample's scale (attn_scales, mlp_scales; null: 1). Fills c.
 void block_forward(const ViTConfig& cfg, const BlockParams& bp, const Flat<const double>& P, int B,
-                   Vec x, BlockCache* c, Vec* x_out) {
+                   Vec x, BlockCache* c, Vec* x_out, const double* attn_scales, const double* mlp_scales) {
   const int T = cfg.tokens(), M = B * T, D = cfg.dim, Hd = cfg.hidden();
   c->x = std::move(x);
   layernorm_forward(M, D, c->x, P(bp.norm1_w), P(bp.norm1_b), kLayerNormEps, &c->ln1, &c->mean1,
@@ -87,7 +102,7 @@ void block_forward(const ViTConfig& cfg, const BlockParams& bp, const Flat<const
   attention_forward(B, T, cfg.heads, cfg.head_dim(), c->qkv, &c->att, nullptr);
   Vec proj;
   linear_forward(M, D, D, c->att, P(bp.proj_w), P(bp.proj_b), &proj);
-  c->x_mid = add(c->x, proj);
+  c->x_mid = add(c->x, scale_samples(std::move(proj), attn_scales, T, D));
   layernorm_forward(M, D, c->x_mid, P(bp.norm2_w), P(bp.norm2_b), kLayerNormEps, &c->ln2, &c->mean2,
                     &c->rstd2);
   linear_forward(M, Hd, D, c->ln2, P(bp.fc1_w), P(bp.fc1_b), &c->h);
@@ -95,17 +110,18 @@ void block_forward(const ViTConfig& cfg, const BlockParams& bp, const Flat<const
   for (size_t i = 0; i < c->h.size(); ++i) c->a[i] = gelu(c->h[i]);
   Vec mlp;
   linear_forward(M, D, Hd, c->a, P(bp.fc2_w), P(bp.fc2_b), &mlp);
-  *x_out = add(c->x_mid, mlp);
+  *x_out = add(c->x_mid, scale_samples(std::move(mlp), mlp_scales, T, D));
 }
 
 // The reverse of block_forward: dx (gradient w.r.t. x_out on entry) becomes the gradient w.r.t.
 // the block input; parameter gradients are written into G.
 void block_backward(const ViTConfig& cfg, const BlockParams& bp, const Flat<const double>& P,
-                    const Flat<double>& G, int B, const BlockCache& c, Vec* dx) {
+                    const Flat<double>& G, int B, const BlockCache& c, Vec* dx, const double* attn_scales,
+                    const double* mlp_scales) {
   const int T = cfg.tokens(), M = B * T, D = cfg.dim, Hd = cfg.hidden();
   // MLP branch; the residual passes dx through unchanged.
   Vec da, dln;
-  linear_backward(M, D, Hd, c.a, P(bp.fc2_w), *dx, &da, G(bp.fc2_w), G(bp.fc2_b));
+  linear_backward(M, D, Hd, c.a, P(bp.fc2_w), scale_samples(*dx, mlp_scales, T, D), &da, G(bp.fc2_w), G(bp.fc2_b));
   for (size_t i = 0; i < da.size(); ++i) da[i] *= gelu_grad(c.h[i]);
   linear_backward(M, Hd, D, c.ln2, P(bp.fc1_w), da, &dln, G(bp.fc1_w), G(bp.fc1_b));
   Vec dbranch;
@@ -114,7 +130,8 @@ void block_backward(const ViTConfig& cfg, const BlockParams& bp, const Flat<cons
   *dx = add(*dx, dbranch);  // now d x_mid
   // Attention branch.
   Vec datt, dqkv;
-  linear_backward(M, D, D, c.att, P(bp.proj_w), *dx, &datt, G(bp.proj_w), G(bp.proj_b));
+  linear_backward(M, D, D, c.att, P(bp.proj_w), scale_samples(*dx, attn_scales, T, D), &datt, G(bp.proj_w),
+                  G(bp.proj_b));
   attention_backward(B, T, cfg.heads, cfg.head_dim(), c.qkv, datt, &dqkv);
   linear_backward(M, 3 * D, D, c.ln1, P(bp.qkv_w), dqkv, &dln, G(bp.qkv_w), G(bp.qkv_b));
   layernorm_backward(M, D, c.x, P(bp.norm1_w), c.mean1, c.rstd1, dln, &dbranch, G(bp.norm1_w),
@@ -124,7 +141,7 @@ void block_backward(const ViTConfig& cfg, const BlockParams& bp, const Flat<cons
 
 // The whole forward up to the logits; keeps the per-block caches only when keep_caches is set.
 ForwardState forward(const ViTConfig& cfg, const ParamLayout& layout, const Vec& params, int B,
-                     const Vec& images, bool keep_caches) {
+                     const Vec& images, bool keep_caches, const Vec* drop_scales = nullptr) {
   const Flat<const double> P{layout, params.data()};
   const int D = cfg.dim, T = cfg.tokens(), Np = cfg.patches(), M = B * T;
   ForwardState s;
@@ -141,9 +158,11 @@ ForwardState forward(const ViTConfig& cfg, const ParamLayout& layout, const Vec&
       double* dst = &x[(static_cast<size_t>(b) * T + t) * D];
       for (int d = 0; d < D; ++d) dst[d] = src[d] + pos[t * D + d];
     }
-  for (const BlockParams& bp : layout.blocks) {
+  for (int l = 0; l < cfg.depth; ++l) {
+    const BlockParams& bp = layout.blocks[l];
     BlockCache c;
-    block_forward(cfg, bp, P, B, std::move(x), &c, &x);
+    block_forward(cfg, bp, P, B, std::move(x), &c, &x, branch_scales(drop_scales, l, 0, B),
+                  branch_scales(drop_scales, l, 1, B));
     if (keep_caches) s.blocks.push_back(std::move(c));
   }
   s.x_final = std::move(x);
@@ -373,8 +392,8 @@ double model_loss(const ViTConfig& cfg, const ParamLayout& layout, const Vec& pa
 
 ModelResult model_forward_backward(const ViTConfig& cfg, const ParamLayout& layout,
                                    const Vec& params, int B, const Vec& images,
-                                   const std::vector<int>& labels) {
-  const ForwardState s = forward(cfg, layout, params, B, images, /*keep_caches=*/true);
+                                   const std::vector<int>& labels, const Vec* drop_scales) {
+  const ForwardState s = forward(cfg, layout, params, B, images, /*keep_caches=*/true, drop_scales);
   const Flat<const double> P{layout, params.data()};
   ModelResult r;
   r.grads.assign(layout.total(), 0.0);
@@ -393,7 +412,8 @@ ModelResult model_forward_backward(const ViTConfig& cfg, const ParamLayout& layo
   layernorm_backward(M, D, s.x_final, P(layout.norm_w), s.meanf, s.rstdf, dlnf, &dx,
                      G(layout.norm_w), G(layout.norm_b));
   for (int i = cfg.depth - 1; i >= 0; --i)
-    block_backward(cfg, layout.blocks[i], P, G, B, s.blocks[i], &dx);
+    block_backward(cfg, layout.blocks[i], P, G, B, s.blocks[i], &dx, branch_scales(drop_scales, i, 0, B),
+                   branch_scales(drop_scales, i, 1, B));
 
   // Token assembly: pos_embed and cls_token sum over the batch; patch tokens go to the embedding.
   double* dpos = G(layout.pos_embed);

@@ -56,7 +56,8 @@ void adamw_step(Vec& p, Vec& m, Vec& v, const Vec& g, double lr, double beta1, d
                 const std::vector<bool>& decay, int t);
 
 // The whole model, timm's VisionTransformer: params in ParamLayout's flat layout (padding
-// ignored), images [B, C, H, W], labels in [0, classes).
+// ignored), images [B, C, H, W], labels in [0, classes). drop_scales (optional, [depth][2][B]):
+// stochastic depth's per-sample scale of each block's attention and MLP branch.
 struct ModelResult {
   double loss = 0;
   Vec logits;   // [B, classes]
@@ -65,7 +66,7 @@ struct ModelResult {
 };
 ModelResult model_forward_backward(const ViTConfig& cfg, const ParamLayout& layout,
                                    const Vec& params, int B, const Vec& images,
-                                   const std::vector<int>& labels);
+                                   const std::vector<int>& labels, const Vec* drop_scales = nullptr);
 // Forward only (for finite differences).
 double model_loss(const ViTConfig& cfg, const ParamLayout& layout, const Vec& params, int B,
                   const Vec& images, const std::vector<int>& labels, Vec* logits = nullptr);
