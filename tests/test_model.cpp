@@ -506,15 +506,25 @@ TEST_CASE("gpu: gradient accumulation: 4 micro-batches of 16 give the gradients 
       OpTimer timer(false);
       const size_t n = whole.model.layout().total();
       // The batch of 64: its gradients, after a priming pass whose FP8 scales both models then use.
+      // The primed amaxes are doubled in the history, so that no micro-batch's amax (which the
+      // delayed recipe adds after each) moves a scale: every pass below quantises alike, and the
+      // micro-batches' gradients alone sum to the accumulated ones.
       whole.step.init(seed, 0);
       micro.step.init(seed, 0);
       CUDA_CHECK(cudaMemcpy(whole.model.images(), images.data(), images.size() * 4, cudaMemcpyHostToDevice));
       CUDA_CHECK(cudaMemcpy(whole.model.labels(), labels.data(), kWhole * 4, cudaMemcpyHostToDevice));
       whole.step.prime_fp8_scales(0, gemm_whole, timer);
       if (precision == Precision::FP8) {
-        CUDA_CHECK(cudaMemcpy(micro.fp8->metas(), whole.fp8->metas(), whole.fp8->count() * sizeof(Fp8Meta),
-                              cudaMemcpyDeviceToDevice));
-        micro.model.cast_fp8_weights(0);
+        std::vector<Fp8Meta> metas = download(whole.fp8->metas(), whole.fp8->count());
+        for (Fp8Meta& m : metas) {
+          m.history[0] *= 2;
+          m.scale = fp8_scale_for(m.history[0], m.fp8_max, 0, m.scale);
+          m.scale_inv = 1.0f / m.scale;
+        }
+        for (StepUnderTest* s : {&whole, &micro}) {
+          CUDA_CHECK(cudaMemcpy(s->fp8->metas(), metas.data(), metas.size() * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
+          s->model.cast_fp8_weights(0);
+        }
       }
       whole.step.begin(0);
       whole.step.forward(0, gemm_whole, timer);
@@ -571,12 +581,14 @@ TEST_CASE("gpu: gradient accumulation: 4 micro-batches of 16 give the gradients 
         worst_sum = std::max(worst_sum, e_sum);
         worst_whole = std::max(worst_whole, e_whole);
         // Against the micro-batches' own sum: fp32 summation order (the accumulating GEMM may run
-        // another algorithm); against the batch of 64: the GEMMs' algorithms differ by row count,
-        // which moves bf16 roundings of the activations.
+        // another algorithm). Against the batch of 64: the GEMMs' algorithms differ by row count,
+        // which moves bf16 roundings of the activations, and in FP8 the codes they round to (an
+        // E4M3 step is 1/8): a few 1e-3 in bf16, up to 0.15 in FP8 (whose error against float64
+        // reaches 0.2 in the deepest tensors: the FP8 whole-model test).
         CHECK(e_sum < (precision == Precision::FP8 ? 1e-4 : 1e-5));
-        CHECK(e_whole < 2e-2);
+        CHECK(e_whole < (precision == Precision::FP8 ? 0.3 : 2e-2));
       }
-      MESSAGE((precision == Precision::FP8 ? "fp8" : "bf16") << (two_streams ? ", two streams" : ", one stream")
+      MESSAGE(std::string(precision == Precision::FP8 ? "fp8" : "bf16") << (two_streams ? ", two streams" : ", one stream")
               << ": accumulated gradients vs the micro-batches' sum: worst relative error " << worst_sum
               << "; vs one batch of 64: " << worst_whole);
     }
@@ -592,7 +604,7 @@ TEST_CASE("gpu: stochastic depth: the engine's masks given to the CPU reference 
   for (Precision precision : {Precision::BF16, Precision::FP8}) {
     CAPTURE(precision == Precision::FP8);
     const Comparison c = compare_with_reference(precision, B, rng, cfg, AttentionBackward::Auto, rate);
-    MESSAGE((precision == Precision::FP8 ? "fp8" : "bf16") << " with --drop-path " << rate << ": loss engine "
+    MESSAGE(std::string(precision == Precision::FP8 ? "fp8" : "bf16") << " with --drop-path " << rate << ": loss engine "
             << c.loss << ", reference " << c.ref_loss << "; logits rel err " << c.logits_err << "\n" << table(c));
     // The masks: block 0 keeps every sample at scale 1; the others 0 or 1 / keep, some of each
     // (a draw of 16 samples at keep 0.6 and 0.2 has both with probability > 0.99).
