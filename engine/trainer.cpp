@@ -50,7 +50,7 @@ void Trainer::train() {
   log_json("\"event\": \"start\", \"step\": " + std::to_string(start_step_) + ", \"steps\": " +
            std::to_string(opts_.steps) + ", \"global_batch\": " +
            std::to_string(opts_.accum_steps * opts_.batch * ctx_.world) + ", \"accum_steps\": " +
-           std::to_string(opts_.accum_steps) +
+           std::to_string(opts_.accum_steps) + ", \"drop_path\": " + std::to_string(opts_.drop_path) +
            ", \"precision\": \"" + choice_name(opts_.precision) + "\"");
   const auto wall_start = std::chrono::steady_clock::now();
   int window_start = start_step_, skipped_reported = 0;
