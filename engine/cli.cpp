@@ -175,7 +175,8 @@ output and profiling:
 FP8 (with --precision fp8):
   --fp8-recipe R         delayed (default: scale from an amax history) or
                          current (from the tensor's own amax)
-  --amax-history N       delayed: amaxes remembered (default 16)
+  --amax-history N       delayed: amaxes remembered (default 16), one a
+                         micro-batch under --accum-steps
   --fp8-margin M         scale = fp8_max / amax / 2^M (default 0)
   --fp8-stats            per tensor kind at each progress line: scales, amax,
                          underflow and saturation (a little slower)

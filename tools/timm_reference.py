@@ -84,6 +84,9 @@ def build_model(cfg, state):
     model.load_state_dict(state, strict=True)
     if rate > 0:
         for block in model.blocks:
+            # A timm whose blocks name them otherwise would keep drawing its own masks.
+            if not (hasattr(block, "drop_path1") and hasattr(block, "drop_path2")):
+                raise RuntimeError("this timm's Block has no drop_path1/drop_path2 to give the engine's masks to")
             block.drop_path1, block.drop_path2 = GivenDropPath(), GivenDropPath()
     return model.train()  # dropout rates are 0; stochastic depth draws nothing of its own
 
