@@ -16,7 +16,7 @@ CXXFLAGS  := -std=c++17 -O2 -g -Wall -Wextra -Werror $(INCLUDES) -MMD -MP
 NO_SPILLS := -Xptxas -warn-spills,-warn-lmem-usage
 NVCCFLAGS_TRACED := -std=c++17 -O3 -lineinfo $(ARCH) -Werror all-warnings -Xcompiler -Wall,-Wextra $(INCLUDES) -MMD -MP
 NVCCFLAGS := $(NVCCFLAGS_TRACED) $(NO_SPILLS)
-LDFLAGS   := $(ARCH) -L$(CUDA)/lib64 -lcublasLt -lnccl -lz -lpthread -Xlinker -rpath,$(CUDA)/lib64
+LDFLAGS   := $(ARCH) -L$(CUDA)/lib64 -lcublasLt -lnccl -lz -lpthread -ldl -Xlinker -rpath,$(CUDA)/lib64
 TEST_INCLUDES := -I/usr/include/eigen3
 
 KERNELS := $(wildcard kernels/*.cu)

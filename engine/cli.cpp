@@ -170,6 +170,11 @@ output and profiling:
   --timing               per-phase and per-op CUDA-event breakdown (one stream;
                          synchronises every step)
   --profile-steps A:B    cudaProfilerStart/Stop around steps A..B
+  --trace FILE           the kernels, copies and memsets of every stream and the
+                         NVTX ranges of --profile-steps A:B (default: the three
+                         steps after the warm-up) as a Chrome trace (JSON) for
+                         ui.perfetto.dev; tools/trace_timeline.py draws a PNG
+                         (CUPTI records them: those steps run a little slower)
   --peak-tflops X        dense peak for MFU on a GPU the engine does not know
   --dump-reference DIR   what tools/timm_reference.py checks against timm
 FP8 (with --precision fp8):
@@ -286,6 +291,7 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       {"--resume", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a directory"); o.resume = v; }},
       {"--init-from", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a file"); o.init_from = v; }},
       {"--log", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a file"); o.log_file = v; }},
+      {"--trace", [&](const std::string& f, const std::string& v) { if (v.empty()) bad(f + " needs a file"); o.trace_file = v; }},
       {"--dump-reference", [&](const std::string&, const std::string& v) {
          if (v.empty()) bad("--dump-reference needs a directory");
          o.dump_reference = v;
@@ -392,6 +398,8 @@ TrainOptions parse_args(const std::vector<std::string>& args) {
       bad("--eval-only trains nothing: it takes neither --save, --dump-reference, --timing, --epochs, --accum-steps, "
           "--drop-path nor --reset-head (a new head is untrained)");
   }
+  if (!o.trace_file.empty() && (o.eval_only || !o.dump_reference.empty()))
+    bad("--trace records training steps: it takes neither --eval-only nor --dump-reference");
   if (o.save_every > 0 && o.save_dir.empty()) bad("--save-every needs --save DIR");
   if (given.count("--keep") && o.save_dir.empty()) bad("--keep needs --save DIR");
   for (const char* f : {"--fp8-recipe", "--amax-history", "--fp8-margin"})
@@ -434,6 +442,10 @@ void set_total_steps(TrainOptions& o, int steps) {
     bad("--warmup " + std::to_string(o.warmup) + " leaves no timed step out of " + std::to_string(steps) + " steps");
   if (o.profile_first >= 0 && o.profile_last >= steps)
     bad("--profile-steps goes past the last step (" + std::to_string(steps - 1) + ")");
+  if (!o.trace_file.empty()) {
+    o.trace_first = o.profile_first >= 0 ? o.profile_first : std::min(o.warmup, steps - 1);
+    o.trace_last = o.profile_first >= 0 ? o.profile_last : std::min(o.trace_first + 2, steps - 1);
+  }
   if (o.warmup_steps >= steps && o.warmup_steps > 0)
     bad("--warmup-steps " + std::to_string(o.warmup_steps) + " is not shorter than the run's " + std::to_string(steps) +
         " steps");

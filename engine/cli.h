@@ -79,6 +79,8 @@ struct TrainOptions {
   std::string log_file;  // --log FILE: JSON-lines metrics (appended)
   bool timing = false;
   int profile_first = -1, profile_last = -1;  // --profile-steps A:B, inclusive
+  std::string trace_file;                     // --trace FILE: a Chrome trace of steps trace_first..trace_last
+  int trace_first = -1, trace_last = -1;      // set by set_total_steps
   double peak_tflops = 0;                     // 0: known from the device name
   std::string dump_reference;                 // --dump-reference DIR
   bool eval_only = false;  // --eval-only: the test split's top-1 and top-5 of --init-from or --resume

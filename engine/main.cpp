@@ -12,6 +12,7 @@
 #include "engine/reference_dump.h"
 #include "engine/run_plan.h"
 #include "engine/trainer.h"
+#include "kernels/activity_trace.h"
 #include "kernels/check.h"
 
 int main(int argc, char** argv) {
@@ -28,6 +29,7 @@ int main(int argc, char** argv) {
     const bool data_parallel = group.size > 1 || opts.gpus > 1 || (force && std::string(force) == "1");
     if (data_parallel && !opts.dump_reference.empty())
       throw UsageError("--dump-reference runs on one GPU in one process");
+    if (!opts.trace_file.empty()) ActivityTrace::prepare();  // before the first NVTX range and CUDA call
     RunPlan plan;
     try {
       plan = plan_run(opts, group);  // every input checked before any GPU work

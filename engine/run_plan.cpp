@@ -104,5 +104,6 @@ RunPlan plan_run(const TrainOptions& opts, const ProcessGroup& group) {
   // Checked now, not after the run; nothing is created until the run starts.
   if (p.logs() && !o.save_dir.empty()) check_writable_dir(o.save_dir, "--save");
   if (p.logs() && !o.log_file.empty()) check_appendable(o.log_file, "--log");
+  if (p.logs() && !o.trace_file.empty()) check_appendable(o.trace_file, "--trace");
   return p;
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/checkpoint.h"
+#include "engine/safetensors.h"
 #include "kernels/check.h"
 #include "kernels/data.h"
 #include "kernels/nvtx.h"
@@ -57,6 +58,7 @@ void Trainer::train() {
   for (int step = start_step_; step < opts_.steps; ++step) {
     if (step == fail_at) throw RuntimeError("failure injected by VIT_TRAIN_TEST_FAIL at step " + std::to_string(step));
     if (step == opts_.profile_first) CUDA_CHECK(cudaProfilerStart());
+    if (trace_ && step == opts_.trace_first) trace_->start();
     const int slot = step - window_start;
     const bool last = step + 1 == opts_.steps, log_point = slot + 1 == opts_.log_every || last;
     step_->set_fp8_counting(opts_.fp8_stats && log_point, stream_);  // --fp8-stats: the logged step
@@ -74,6 +76,7 @@ void Trainer::train() {
     end_step(step);
     if (ctx_.progress) ctx_.progress->fetch_add(1);  // the supervisor's heartbeat (the host stalls when a collective hangs)
     if (step == opts_.profile_last) CUDA_CHECK(cudaProfilerStop());
+    if (trace_ && step == opts_.trace_last) finish_trace();
 
     if (log_point) {  // the only host synchronisation of a plain run
       const float loss = step_loss_over_ranks();  // the global batch's mean loss
@@ -281,6 +284,22 @@ void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epoc
                   train_loss);
   }
   std::fflush(stdout);
+}
+
+void Trainer::finish_trace() {
+  doing("writing the trace");
+  trace_->stop();  // (waits for the devices)
+  size_t kernels = 0;
+  for (const TraceEvent& e : trace_->events()) kernels += e.kind == TraceEvent::Kind::Kernel;
+  write_text_file(opts_.trace_file, trace_->chrome_json());
+  std::printf("  trace: steps %d..%d, %zu kernels and %zu other events, written to %s (ui.perfetto.dev opens it; "
+              "tools/trace_timeline.py draws it)\n", opts_.trace_first + 1, opts_.trace_last + 1, kernels,
+              trace_->events().size() - kernels, opts_.trace_file.c_str());
+  if (trace_->dropped() > 0)
+    std::printf("  trace: CUPTI dropped %llu records (its buffers were full): the trace misses them\n",
+                static_cast<unsigned long long>(trace_->dropped()));
+  log_json("\"trace\": \"" + opts_.trace_file + "\"");
+  trace_.reset();
 }
 
 void Trainer::save(int steps_done) {

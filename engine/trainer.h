@@ -24,6 +24,7 @@
 #include "engine/run_plan.h"
 #include "engine/schedule.h"
 #include "engine/training_step.h"
+#include "kernels/activity_trace.h"
 #include "kernels/attention_choice.h"
 #include "kernels/cudnn_attention.h"
 #include "kernels/gemm.h"
@@ -138,6 +139,8 @@ class Trainer {
   void print_final(const std::vector<double>& step_ms, const WeightChecksums& sums, const std::vector<float>& per_rank);
   // --log: one JSON line, flushed.
   void log_json(const std::string& fields);
+  // --trace: the recorded steps written, and what the file holds printed.
+  void finish_trace();
 
   const RunPlan& plan_;
   const TrainOptions& opts_;  // plan_.opts
@@ -169,6 +172,7 @@ class Trainer {
   AttentionChoice attention_choice_;
   std::string cudnn_note_;
   std::unique_ptr<OpTimer> timer_;
+  std::unique_ptr<ActivityTrace> trace_;  // --trace, on the rank that logs
   cudaStream_t stream_ = nullptr;
   size_t gemm_workspace_ = 0;   // each Gemm's
   bool second_stream_ = false;  // --second-stream, less under --timing: a second Gemm (workspace)

@@ -110,6 +110,12 @@ Trainer::Trainer(const RunPlan& plan, WorkerContext ctx) : plan_(plan), opts_(pl
         CUDA_CHECK(cudaMemcpy(loss_sum_, &plan_.initial->state.epoch_loss_sum, sizeof(float), cudaMemcpyHostToDevice));
     }
   }
+  if (ctx_.logs() && !opts_.trace_file.empty()) {  // CUPTI was loaded by main (ActivityTrace::prepare)
+    trace_ = std::make_unique<ActivityTrace>();
+    trace_->name_stream(stream_, ctx_.device, "critical path");
+    if (step_->second_stream()) trace_->name_stream(step_->second_stream(), ctx_.device, "second stream");
+    if (ctx_.comm) trace_->name_stream(ctx_.comm->stream(), ctx_.device, "communication");
+  }
   if (ctx_.logs() && !opts_.log_file.empty()) {  // checked by the plan; opened now
     log_ = std::fopen(opts_.log_file.c_str(), "a");  // appended: a resumed run continues its log
     if (!log_) throw RuntimeError("--log " + opts_.log_file + ": " + std::strerror(errno));

@@ -7,6 +7,8 @@ void TrainingStep::set_second_stream(bool on, size_t gemm_workspace, bool autotu
   if (on) second_ = std::make_unique<SecondStream>(gemm_workspace, autotune, model_.parameter_parts());
 }
 
+cudaStream_t TrainingStep::second_stream() const { return second_ ? second_->stream() : nullptr; }
+
 void TrainingStep::set_second_stream_lag(uint64_t ns, Lagging which) {
   if (second_) (which == Lagging::SecondStream ? second_->lag_ns : second_->critical_lag_ns) = ns;
 }

@@ -35,6 +35,7 @@ class TrainingStep {
   // alone.
   void set_second_stream(bool on, size_t gemm_workspace, bool autotune);
   bool has_second_stream() const { return second_ != nullptr; }
+  cudaStream_t second_stream() const;  // null without one
   // Tests: one stream falls behind the other by ns nanoseconds (a spinning kernel), so that a
   // missing wait between them shows as a wrong result. The second stream: at each fork to it and
   // each update (against a missing wait of the critical path for it); the critical path: at each

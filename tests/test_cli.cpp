@@ -84,6 +84,22 @@ TEST_CASE("cli: --accum-steps counts micro-batches; the reference dump and --eva
             .find("--accum-steps") != std::string::npos);
 }
 
+TEST_CASE("cli: --trace records three steps after the warm-up, or --profile-steps; not in evaluation") {
+  TrainOptions o = parse({"--trace", "t.json", "--steps", "20"});
+  CHECK(o.trace_file == "t.json");
+  CHECK(o.trace_first == 10);
+  CHECK(o.trace_last == 12);
+  o = parse({"--trace", "t.json", "--steps", "20", "--profile-steps", "3:5"});
+  CHECK(o.trace_first == 3);
+  CHECK(o.trace_last == 5);
+  o = parse({"--trace", "t.json", "--steps", "2"});  // warm-up 1: the last step alone
+  CHECK(o.trace_first == 1);
+  CHECK(o.trace_last == 1);
+  CHECK(parse({}).trace_first == -1);
+  CHECK(usage_error({"--trace", "t.json", "--dump-reference", "/tmp/d"}).find("--trace records training steps") !=
+        std::string::npos);
+}
+
 TEST_CASE("cli: --reset-head only with --init-from") {
   CHECK(usage_error({"--reset-head"}).find("--reset-head needs --init-from FILE") != std::string::npos);
 }

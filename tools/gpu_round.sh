@@ -21,7 +21,9 @@
 # ref_small_droppath and ref_h_droppath run the reference tier under stochastic depth (timm applies
 # the engine's masks); accum times ViT-H with --accum-steps 4 against the same batch without (64,
 # and 16), two rounds alternated; fashion_adamw is the AdamW recipe on Fashion-MNIST (issue 32's real run) in
-# each precision of $FASHION_PRECISIONS (default "bf16 fp8"), its checkpoint then evaluated alone.
+# each precision of $FASHION_PRECISIONS (default "bf16 fp8"), its checkpoint then evaluated alone;
+# trace records three ViT-H steps in each precision with --trace and draws them
+# (tools/trace_timeline.py): $OUT/trace_{bf16,fp8}.json and .png, the whole window and one step.
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small ref_small_adamw bench timing ref_h)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -155,6 +157,21 @@ save_file({k: v.contiguous() for k, v in m.state_dict().items()}, '/tmp/timm_ini
           --lr-schedule cosine --warmup-steps 468 --log-every 468 --save "/tmp/fm_adamw_$prec" \
           --log "$OUT/fashion_adamw_$prec.jsonl"
         run "fashion_adamw_${prec}_eval" ./vit_train $fm --eval-only --resume "/tmp/fm_adamw_$prec"
+      done ;;
+    trace)
+      for prec in bf16 fp8; do
+        run "trace_$prec" ./vit_train --precision $prec --steps 14 --warmup 10 --log-every 14 \
+          --trace "$OUT/trace_$prec.json"
+        run "trace_${prec}_png" python3 tools/trace_timeline.py "$OUT/trace_$prec.json" "$OUT/trace_$prec.png" \
+          --title "vit_train ViT-H/16 $prec, batch 64: steps 11-13"
+        # One step: the window from the second traced step's first kernel, a step long.
+        window=$(python3 -c "
+import json, sys
+t = json.load(open('$OUT/trace_$prec.json'))['traceEvents']
+steps = sorted(e['ts'] for e in t if e.get('ph') == 'X' and e['name'] == 'step')
+print(f'--from-ms {steps[1] / 1e3:.3f} --to-ms {steps[2] / 1e3:.3f}' if len(steps) > 2 else '')")
+        run "trace_${prec}_step_png" python3 tools/trace_timeline.py "$OUT/trace_$prec.json" \
+          "$OUT/trace_${prec}_step.png" $window --title "vit_train ViT-H/16 $prec, batch 64: step 12"
       done ;;
     ref_h_adamw)
       rm -rf /tmp/ref_h_adamw
