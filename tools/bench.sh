@@ -3,16 +3,18 @@
 # on the same card in one call.
 #
 # Usage: tools/bench.sh [extra vit_train arguments, e.g. --timing]
-# Environment: STEPS (timed steps, default 30), WARMUP (untimed steps first, default 10),
+# Environment: BATCH (images a step, default 64), STEPS (timed steps, default 30), WARMUP
+#              (untimed steps first, default 10),
 #              PRECISIONS (engine precisions, default "bf16 fp8"), OUT (log folder, default /tmp),
 #              COMPILE=1 (also PyTorch under torch.compile: compiles in its warm-up, ~1 minute more).
-# Builds nothing: ./vit_train must already be built. Runs ViT-H/16 at batch 64 through
+# Builds nothing: ./vit_train must already be built. Runs ViT-H/16 at batch $BATCH through
 # ./vit_train and tools/pytorch_baseline.py with the same step counts, keeps each full log in
 # $OUT/bench_engine_<precision>.log and $OUT/bench_pytorch.log, and prints a table made from
 # their RESULT lines (and $OUT/bench_pytorch_compile.log with COMPILE=1).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
+BATCH=${BATCH:-64}
 STEPS=${STEPS:-30}
 WARMUP=${WARMUP:-10}
 PRECISIONS=${PRECISIONS:-bf16 fp8}
@@ -23,15 +25,15 @@ COMPILE_LOG=$LOG_DIR/bench_pytorch_compile.log
 
 # vit_train counts its warm-up inside --steps; the baseline times --steps after --warmup.
 for p in $PRECISIONS; do
-  echo "== engine: ./vit_train --model vit_h16 --batch 64 --precision $p --steps $((STEPS + WARMUP)) --warmup $WARMUP $*"
-  ./vit_train --model vit_h16 --batch 64 --precision "$p" --steps "$((STEPS + WARMUP))" --warmup "$WARMUP" "$@" 2>&1 \
+  echo "== engine: ./vit_train --model vit_h16 --batch $BATCH --precision $p --steps $((STEPS + WARMUP)) --warmup $WARMUP $*"
+  ./vit_train --model vit_h16 --batch "$BATCH" --precision "$p" --steps "$((STEPS + WARMUP))" --warmup "$WARMUP" "$@" 2>&1 \
     | tee "$LOG_DIR/bench_engine_$p.log"
 done
-echo "== pytorch: python3 tools/pytorch_baseline.py --batch 64 --steps $STEPS --warmup $WARMUP"
-python3 tools/pytorch_baseline.py --batch 64 --steps "$STEPS" --warmup "$WARMUP" 2>&1 | tee "$PYTORCH_LOG"
+echo "== pytorch: python3 tools/pytorch_baseline.py --batch $BATCH --steps $STEPS --warmup $WARMUP"
+python3 tools/pytorch_baseline.py --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" 2>&1 | tee "$PYTORCH_LOG"
 if [ "${COMPILE:-0}" = 1 ]; then
-  echo "== pytorch: python3 tools/pytorch_baseline.py --batch 64 --steps $STEPS --warmup $WARMUP --compile"
-  python3 tools/pytorch_baseline.py --batch 64 --steps "$STEPS" --warmup "$WARMUP" --compile 2>&1 | tee "$COMPILE_LOG"
+  echo "== pytorch: python3 tools/pytorch_baseline.py --batch $BATCH --steps $STEPS --warmup $WARMUP --compile"
+  python3 tools/pytorch_baseline.py --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" --compile 2>&1 | tee "$COMPILE_LOG"
 fi
 
 # result_field LOG NAME KEY: the value of KEY=... on the last "RESULT NAME ..." line of LOG.
@@ -47,7 +49,7 @@ result_field() {
   || { echo "bench.sh: no $3 in a 'RESULT $2' line of $1" >&2; return 1; }
 }
 
-printf "\n== ViT-H/16, batch 64, median of %d steps after %d warm-up\n" "$STEPS" "$WARMUP"
+printf "\n== ViT-H/16, batch %d, median of %d steps after %d warm-up\n" "$BATCH" "$STEPS" "$WARMUP"
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", a / b }'; }
 p_ms=$(result_field "$PYTORCH_LOG" pytorch_eager step_ms)
 compiled=0 c_ms=

@@ -23,7 +23,8 @@
 # and 16), two rounds alternated; fashion_adamw is the AdamW recipe on Fashion-MNIST (issue 32's real run) in
 # each precision of $FASHION_PRECISIONS (default "bf16 fp8"), its checkpoint then evaluated alone;
 # trace records three ViT-H steps in each precision with --trace and draws them
-# (tools/trace_timeline.py): $OUT/trace_{bf16,fp8}.json and .png, the whole window and one step.
+# (tools/trace_timeline.py): $OUT/trace_{bf16,fp8}.json and .png, the whole window and one step;
+# batches runs tools/bench.sh at each batch of $BATCHES (default "32 128 256"; 15 steps after 5).
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small ref_small_adamw bench timing ref_h)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -157,6 +158,11 @@ save_file({k: v.contiguous() for k, v in m.state_dict().items()}, '/tmp/timm_ini
           --lr-schedule cosine --warmup-steps 468 --log-every 468 --save "/tmp/fm_adamw_$prec" \
           --log "$OUT/fashion_adamw_$prec.jsonl"
         run "fashion_adamw_${prec}_eval" ./vit_train $fm --eval-only --resume "/tmp/fm_adamw_$prec"
+      done ;;
+    batches)
+      for b in ${BATCHES:-32 128 256}; do
+        mkdir -p "$OUT/batch_$b"
+        OUT=$OUT/batch_$b BATCH=$b STEPS=15 WARMUP=5 run "bench_batch_$b" tools/bench.sh
       done ;;
     trace)
       for prec in bf16 fp8; do
