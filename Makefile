@@ -1,7 +1,8 @@
 # vit_train and its tests. `make` builds vit_train and the rate tools (gemm_rate, loader_rate,
-# attention_rate, attention_trace, tma_rate, memory_rate, optimizer_rate, launch_gap); `make test`
-# builds and runs vit_tests: the CPU tier everywhere, the GPU tier where a GPU is present. The kernels are
-# written for Hopper (sm_90a); ARCH can be overridden on the command line.
+# attention_rate, attention_trace, tma_rate, memory_rate, optimizer_rate, launch_gap,
+# overlap_rate); `make test` builds and runs vit_tests: the CPU tier everywhere, the GPU tier where
+# a GPU is present. The kernels are written for Hopper (sm_90a); ARCH can be overridden on the
+# command line.
 CUDA    ?= /usr/local/cuda
 NVCC    ?= $(CUDA)/bin/nvcc
 CXX     ?= g++
@@ -28,7 +29,8 @@ LIB_OBJ  := $(KERNELS:%.cu=$(BUILD)/%.o) $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 
 .PHONY: all test fuzz bench profile clean build-deps test-deps fuzz-deps
-all: vit_train gemm_rate loader_rate attention_rate attention_trace tma_rate memory_rate optimizer_rate launch_gap
+all: vit_train gemm_rate loader_rate attention_rate attention_trace tma_rate memory_rate optimizer_rate launch_gap \
+     overlap_rate
 
 vit_train: $(LIB_OBJ) $(BUILD)/engine/main.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
@@ -71,6 +73,10 @@ tma_rate: $(BUILD)/tools/tma_rate.o $(BUILD)/kernels/check.o $(BUILD)/kernels/sp
 # The memory-bound kernels' rates (LayerNorm, GELU, FP8 casts) at one ViT's FP8 shapes, and the
 # bf16 step's GELU kernels.
 memory_rate: $(LIB_OBJ) $(BUILD)/tools/memory_rate.o
+	$(NVCC) -o $@ $^ $(LDFLAGS)
+
+# A step as two concurrent halves of the batch against one whole (issue 33's overlap lever).
+overlap_rate: $(LIB_OBJ) $(BUILD)/tools/overlap_rate.o
 	$(NVCC) -o $@ $^ $(LDFLAGS)
 
 # The optimizer kernels over one model's parameters against the card's copy rate.
@@ -171,6 +177,6 @@ profile: vit_train
 
 clean:
 	rm -rf $(BUILD) vit_train vit_tests gemm_rate pack_images loader_rate attention_rate attention_trace tma_rate memory_rate \
-	  optimizer_rate launch_gap
+	  optimizer_rate launch_gap overlap_rate
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -24,7 +24,8 @@
 # each precision of $FASHION_PRECISIONS (default "bf16 fp8"), its checkpoint then evaluated alone;
 # trace records three ViT-H steps in each precision with --trace and draws them
 # (tools/trace_timeline.py): $OUT/trace_{bf16,fp8}.json and .png, the whole window and one step;
-# batches runs tools/bench.sh at each batch of $BATCHES (default "32 128 256"; 15 steps after 5).
+# batches runs tools/bench.sh at each batch of $BATCHES (default "32 128 256"; 15 steps after 5);
+# overlap runs ./overlap_rate (a step as two concurrent halves of the batch) in both precisions.
 # Usage: tools/gpu_round.sh [parts...]   (default: tests ref_small ref_small_adamw bench timing ref_h)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -164,6 +165,8 @@ save_file({k: v.contiguous() for k, v in m.state_dict().items()}, '/tmp/timm_ini
         mkdir -p "$OUT/batch_$b"
         OUT=$OUT/batch_$b BATCH=$b STEPS=15 WARMUP=5 run "bench_batch_$b" tools/bench.sh
       done ;;
+    overlap)
+      for prec in bf16 fp8; do run "overlap_$prec" ./overlap_rate --precision $prec --batch 64; done ;;
     trace)
       for prec in bf16 fp8; do
         run "trace_$prec" ./vit_train --precision $prec --steps 14 --warmup 10 --log-every 14 \
