@@ -55,10 +55,11 @@ void Trainer::train() {
            ", \"precision\": \"" + choice_name(opts_.precision) + "\"");
   const auto wall_start = std::chrono::steady_clock::now();
   int window_start = start_step_, skipped_reported = 0;
+  const int trace_from = std::max(opts_.trace_first, start_step_);  // a resumed run traces what is left
   for (int step = start_step_; step < opts_.steps; ++step) {
     if (step == fail_at) throw RuntimeError("failure injected by VIT_TRAIN_TEST_FAIL at step " + std::to_string(step));
     if (step == opts_.profile_first) CUDA_CHECK(cudaProfilerStart());
-    if (trace_ && step == opts_.trace_first) trace_->start();
+    if (trace_ && step == trace_from && step <= opts_.trace_last) trace_->start();
     const int slot = step - window_start;
     const bool last = step + 1 == opts_.steps, log_point = slot + 1 == opts_.log_every || last;
     step_->set_fp8_counting(opts_.fp8_stats && log_point, stream_);  // --fp8-stats: the logged step
@@ -76,7 +77,7 @@ void Trainer::train() {
     end_step(step);
     if (ctx_.progress) ctx_.progress->fetch_add(1);  // the supervisor's heartbeat (the host stalls when a collective hangs)
     if (step == opts_.profile_last) CUDA_CHECK(cudaProfilerStop());
-    if (trace_ && step == opts_.trace_last) finish_trace();
+    if (trace_ && step == opts_.trace_last && step >= trace_from) finish_trace(trace_from);
 
     if (log_point) {  // the only host synchronisation of a plain run
       const float loss = step_loss_over_ranks();  // the global batch's mean loss
@@ -114,6 +115,9 @@ void Trainer::train() {
     if (!opts_.save_dir.empty() && (last || (opts_.save_every > 0 && (step + 1) % opts_.save_every == 0)))
       save(step + 1);
   }
+  if (trace_ && logs)
+    std::printf("  trace: steps %d..%d come before this resumed run's first step %d: nothing traced\n",
+                opts_.trace_first + 1, opts_.trace_last + 1, start_step_ + 1);
   if (!epochs.empty() && logs) print_epochs(epochs);
   for (int i = 0; i < window; ++i) {
     cudaEventDestroy(begin[i]);
@@ -286,14 +290,14 @@ void Trainer::record_epoch_and_evaluate(int step, std::vector<EpochResult>& epoc
   std::fflush(stdout);
 }
 
-void Trainer::finish_trace() {
+void Trainer::finish_trace(int first_step) {
   doing("writing the trace");
   trace_->stop();  // (waits for the devices)
   size_t kernels = 0;
   for (const TraceEvent& e : trace_->events()) kernels += e.kind == TraceEvent::Kind::Kernel;
   write_text_file(opts_.trace_file, trace_->chrome_json());
   std::printf("  trace: steps %d..%d, %zu kernels and %zu other events, written to %s (ui.perfetto.dev opens it; "
-              "tools/trace_timeline.py draws it)\n", opts_.trace_first + 1, opts_.trace_last + 1, kernels,
+              "tools/trace_timeline.py draws it)\n", first_step + 1, opts_.trace_last + 1, kernels,
               trace_->events().size() - kernels, opts_.trace_file.c_str());
   if (trace_->dropped() > 0)
     std::printf("  trace: CUPTI dropped %llu records (its buffers were full): the trace misses them\n",

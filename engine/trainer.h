@@ -139,8 +139,8 @@ class Trainer {
   void print_final(const std::vector<double>& step_ms, const WeightChecksums& sums, const std::vector<float>& per_rank);
   // --log: one JSON line, flushed.
   void log_json(const std::string& fields);
-  // --trace: the recorded steps written, and what the file holds printed.
-  void finish_trace();
+  // --trace: the recorded steps (first_step..the window's last) written, what the file holds printed.
+  void finish_trace(int first_step);
 
   const RunPlan& plan_;
   const TrainOptions& opts_;  // plan_.opts
