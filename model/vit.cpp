@@ -97,7 +97,7 @@ ViT::ViT(const ViTConfig& cfg, int batch, MemoryRequest& memory, Precision preci
   work(&dlogits_, B * classes_ld_);
   work(&dfeat_, B * D);
   work(&dpatch_, B * P * D);
-  work(&bias_grad_, std::max<size_t>(3 * D, classes_ld_));
+  work(&bias_partial_, std::max(colsum_partial_floats(M_, 3 * cfg.dim), colsum_partial_floats(B_, classes_ld_)));
   work(&drop_scales_, 2 * cfg.depth * B);
   work(&branch_bias_, D);
   work(&branch_bias_bf16_, D);
@@ -222,16 +222,14 @@ void ViT::fp8_weight_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8t, const
                   DType::F32, L.n, L.k, M_, st);
 }
 
-void ViT::bf16_weight_grad(Gemm& gemm, const bf16* dy, const bf16* x, float* dW, float* db, int M, int N, int K,
-                           cudaStream_t st, int lddy) {
-  if (write_ == GradWrite::Overwrite || !db) {
-    gemm.linear_backward_weight(dy, x, dW, db, M, N, K, st, lddy, write_);
-    return;
-  }
-  // One stream at a time uses bias_grad_: the head's and the patch embedding's run on the
+void ViT::bf16_weight_grad(Gemm& gemm, OpTimer& timer, const bf16* dy, const bf16* x, float* dW, float* db, int M,
+                           int N, int K, cudaStream_t st, int lddy) {
+  { auto t = timer.op(OpKind::Gemm, st); gemm.linear_backward_weight(dy, x, dW, nullptr, M, N, K, st, lddy, write_); }
+  if (!db) return;
+  // One stream at a time uses bias_partial_: the head's and the patch embedding's run on the
   // critical path before the blocks' weight gradients fork off it and after they join it.
-  gemm.linear_backward_weight(dy, x, dW, bias_grad_, M, N, K, st, lddy, GradWrite::Accumulate);
-  sum_into(db, bias_grad_, 0, 1, N, st);
+  auto t = timer.op(OpKind::BiasGrad, st);
+  colsum(dy, M, N, lddy ? lddy : N, db, bias_partial_, st, write_);
 }
 
 // ---- stochastic depth ----
@@ -481,9 +479,9 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
   const int D = cfg_.dim, BP = B_ * cfg_.patches();
   {
     NvtxRange r("head backward");
+    bf16_weight_grad(gemm, timer, dlogits_, lnf_, g(layout_.head_w), g(layout_.head_b), B_, cfg_.classes, D, st,
+                     classes_ld_);
     { auto t = timer.op(OpKind::Gemm, st);
-      bf16_weight_grad(gemm, dlogits_, lnf_, g(layout_.head_w), g(layout_.head_b), B_, cfg_.classes, D, st,
-                       classes_ld_);
       gemm.linear_backward_input(dlogits_, pb(layout_.head_w), dfeat_, B_, cfg_.classes, D, st, classes_ld_); }
     // The residual gradient is zero but on the class-token rows.
     CUDA_CHECK(cudaMemsetAsync(dresid_, 0, static_cast<size_t>(M_) * D * sizeof(float), st));
@@ -534,13 +532,14 @@ void ViT::backward(cudaStream_t st, Gemm& gemm, OpTimer& timer, const std::funct
                                  cudaMemcpyDeviceToDevice, st)); }
     { auto t = timer.op(OpKind::Embed, st); embed_backward(dresid_, dpatch_, B_, T_, D, st); }
     const int K = cfg_.patch_dim(), K8 = cfg_.patch_dim_padded();
-    { auto t = timer.op(OpKind::Gemm, st);
-      // The padded gradient is this product's alone, so it accumulates as the gradient itself.
-      bf16_weight_grad(gemm, dpatch_, patches_, K8 != K ? patch_grad_padded_ : g(layout_.patch_w),
-                       g(layout_.patch_b), BP, D, K8, st);
-      if (K8 != K)  // the padding's columns (zero) left behind
-        CUDA_CHECK(cudaMemcpy2DAsync(g(layout_.patch_w), K * sizeof(float), patch_grad_padded_, K8 * sizeof(float),
-                                     K * sizeof(float), D, cudaMemcpyDeviceToDevice, st)); }
+    // The padded gradient is this product's alone, so it accumulates as the gradient itself.
+    bf16_weight_grad(gemm, timer, dpatch_, patches_, K8 != K ? patch_grad_padded_ : g(layout_.patch_w),
+                     g(layout_.patch_b), BP, D, K8, st);
+    if (K8 != K) {  // the padding's columns (zero) left behind
+      auto t = timer.op(OpKind::Embed, st);
+      CUDA_CHECK(cudaMemcpy2DAsync(g(layout_.patch_w), K * sizeof(float), patch_grad_padded_, K8 * sizeof(float),
+                                   K * sizeof(float), D, cudaMemcpyDeviceToDevice, st));
+    }
   }
   ready_from(-1);
 }
@@ -555,9 +554,8 @@ void ViT::backward_block_bf16(int l, cudaStream_t st, Gemm& gemm, OpTimer& timer
   const BlockActs& a = acts_[l];
   const std::array<Linear, 4>& L = linears_[l];
   auto weight_grad = [&](Lin lin, const bf16* dy, const bf16* x, bool with_bias) {
-    { auto t = timer.op(OpKind::Gemm, wl.stream);
-      bf16_weight_grad(wl.gemm, dy, x, g(L[lin].w), with_bias ? g(L[lin].b) : nullptr, M_, L[lin].n, L[lin].k,
-                       wl.stream); }
+    bf16_weight_grad(wl.gemm, timer, dy, x, g(L[lin].w), with_bias ? g(L[lin].b) : nullptr, M_, L[lin].n, L[lin].k,
+                     wl.stream);
     wl.read(lin);
   };
   // MLP: dresid is the gradient of fc2's output. The GELU output is recomputed in the pass that

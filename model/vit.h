@@ -196,10 +196,12 @@ class ViT {
                    cudaStream_t st, float alpha = 1.0f);
   void fp8_input_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8, bf16* dx, cudaStream_t st);
   void fp8_weight_grad(Gemm& gemm, int l, Lin lin, const uint8_t* dy8t, const uint8_t* x8t, cudaStream_t st);
-  // A bf16 weight gradient dW = dy^T x with its bias gradient db (may be null), as the backward's
-  // write_ says: under accumulation the bias gradient goes through bias_grad_ and is added.
-  void bf16_weight_grad(Gemm& gemm, const bf16* dy, const bf16* x, float* dW, float* db, int M, int N, int K,
-                        cudaStream_t st, int lddy = 0);
+  // A bf16 weight gradient dW = dy^T x and its bias gradient db = dy's column sums (db may be
+  // null), written or added as the backward's write_ says. The column sums are the engine's own
+  // pass (kernels/reduce.h), not cuBLASLt's bias-gradient epilogue, which runs as a slower kernel
+  // of its own.
+  void bf16_weight_grad(Gemm& gemm, OpTimer& timer, const bf16* dy, const bf16* x, float* dW, float* db, int M, int N,
+                        int K, cudaStream_t st, int lddy = 0);
 
   // Stochastic depth of block l's branch (0 the attention's, 1 the MLP's): its per-sample scales,
   // or null where no sample can be dropped (off, not drawn, or keep 1: the first block).
@@ -263,7 +265,7 @@ class ViT {
   bf16* lnf_;
   // backward temporaries, reused block after block
   float *dresid_, *partial_, *delta_;
-  float* bias_grad_;  // under accumulation, a bias gradient before it is added
+  float* bias_partial_;  // the bf16 bias gradients' column sums' first stage
   float* drop_scales_;  // [depth][2][B] (drop_path_scales)
   float* branch_bias_;  // [dim]: a branch's bias * alpha (bf16 products: branch_bias_bf16_)
   bf16* branch_bias_bf16_;
