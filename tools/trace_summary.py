@@ -2,11 +2,15 @@
 """Summarise a trace written by `vit_train --trace FILE`: per step (the trace's NVTX "step"
 ranges), each stream's busy time, its kernels by kind and the gaps between them; how long two
 streams ran at once; and how long the GPU ran kernels with no GEMM among them, the time the
-tensor cores idle that overlap could fill.
+tensor cores idle that overlap could fill. With --gaps N: each stream's N costliest kinds of
+gap of 20 us or more, by the kernels either side, and how much of them another stream was busy
+(a wait on that stream, likely) or none was (the host, or launch latency).
 
-Usage: python3 tools/trace_summary.py TRACE.json
+Usage: python3 tools/trace_summary.py TRACE.json [--gaps N]
 """
+import argparse
 import json
+import re
 import sys
 
 from trace_timeline import kind_of
@@ -30,20 +34,48 @@ def intersect_ms(a, b):
     return union_ms(a) + union_ms(b) - union_ms(a + b)
 
 
+def short_name(name):
+    """A kernel's name without its namespace, template arguments and parameters; GEMMs as such."""
+    if kind_of(name)[0] == "GEMM":
+        return "GEMM"
+    base = re.split(r"[<(]", name.replace("void ", "", 1))[0]
+    return base.split("::")[-1].strip()[:36]
+
+
+def gap_table(name, es, others, steps, top):
+    """The top kinds of gap of 20 us or more on one stream, by the kernels either side."""
+    rows = {}
+    for a, b in zip(es, es[1:]):
+        start, end = a["ts"] + a["dur"], b["ts"]
+        if end - start < 20:
+            continue
+        row = rows.setdefault((short_name(a["name"]), short_name(b["name"])), [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += end - start
+        row[2] += intersect_ms([(start, end)], others) * 1e3
+    print(f"\n{name}: gaps of 20 us or more, the {top} costliest kinds (ms a step)")
+    print(f"{'after':<37} {'before':<37} {'count':>6} {'ms':>7} {'other stream busy':>18}")
+    for (after, before), (count, total, busy) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"{after:<37} {before:<37} {count / steps:>6.1f} {total / 1e3 / steps:>7.3f} "
+              f"{busy / 1e3 / steps:>18.3f}")
+
+
 def main():
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    with open(sys.argv[1]) as f:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument("--gaps", type=int, default=0, help="each stream's N costliest kinds of gap")
+    args = parser.parse_args()
+    with open(args.trace) as f:
         events = json.load(f)["traceEvents"]
     lane_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                   if e.get("ph") == "M" and e["name"] == "thread_name"}
     device = [e for e in events if e.get("ph") == "X" and e["cat"] != "nvtx"]
     steps = sum(1 for e in events if e.get("ph") == "X" and e["cat"] == "nvtx" and e["name"] == "step") or 1
     if not device:
-        sys.exit(f"{sys.argv[1]} holds no device events")
+        sys.exit(f"{args.trace} holds no device events")
     lo = min(e["ts"] for e in device)
     hi = max(e["ts"] + e["dur"] for e in device)
-    print(f"{sys.argv[1]}: {steps} step(s), {(hi - lo) / 1e3:.2f} ms from the first kernel to the last; "
+    print(f"{args.trace}: {steps} step(s), {(hi - lo) / 1e3:.2f} ms from the first kernel to the last; "
           f"per step:")
 
     lanes = {}
@@ -76,6 +108,10 @@ def main():
     print(f"GEMMs running {gemm_busy / steps:.2f} ms; other kernels with no GEMM beside them "
           f"{(busy - gemm_busy) / steps:.2f} ms (the tensor cores idle); other kernels beside a GEMM "
           f"{intersect_ms(gemm, other) / steps:.2f} ms; nothing running {((hi - lo) / 1e3 - busy) / steps:.2f} ms")
+    if args.gaps > 0:
+        for lane, es in sorted(lanes.items()):
+            others = [(e["ts"], e["ts"] + e["dur"]) for other, oes in lanes.items() if other != lane for e in oes]
+            gap_table(lane_names.get(lane, str(lane)), es, others, steps, args.gaps)
 
 
 if __name__ == "__main__":
