@@ -23,7 +23,8 @@ size_t gelu_backward_partial_floats(int M, int N);
 // (fc2's input in the forward).
 void gelu_forward_fp8(const __nv_bfloat16* h, int M, int N, const Fp8Out& o, cudaStream_t stream);
 // FP8 backward, one pass: dh = da * gelu'(h) to FP8 E5M2 through dh_out (fc1's output gradient),
-// db[N] = its column sums (fc1's bias gradient; partial: fp8_cast_partial_floats(M, N)); and
+// db[N] = its column sums (fc1's bias gradient; partial: fp8_cast_partial_floats(M, N); untouched
+// where dh_out has no scale, as cast_to_fp8's); and
 // a = gelu(h) recomputed to E4M3 through a_out, transposed only (fc2's input for its weight
 // gradient; its amax is not recorded again): with the forward's scale, the very codes the forward wrote.
 void gelu_backward_fp8(const __nv_bfloat16* da, const __nv_bfloat16* h, int M, int N, const Fp8Out& dh_out,

@@ -42,9 +42,10 @@ void cast_to_fp8(const bf16* in, int rows, int cols, const Fp8Out& o, cudaStream
   NvtxRange range("cast_to_fp8");
   ENSURE(fp8tile::valid(o, rows, cols) && is_aligned16(in) && (!db || partial),
          "cast_to_fp8: rows and cols must be multiples of 8, the tensors 16/8-byte aligned");
-  fp8tile::launch_tile(Bf16Source{in, cols}, rows, cols, o, db ? partial : nullptr, stream);
+  const bool sums = db && o.scale;  // the amax pass (no scale) writes nothing, the sums neither
+  fp8tile::launch_tile(Bf16Source{in, cols}, rows, cols, o, sums ? partial : nullptr, stream);
   LAUNCH_CHECK();
-  if (db) sum_rows(partial, fp8tile::partial_rows(rows), cols, cols, db, stream, write);
+  if (sums) sum_rows(partial, fp8tile::partial_rows(rows), cols, cols, db, stream, write);
 }
 
 void transpose_fp8(const uint8_t* in, int rows, int cols, uint8_t* out_t, cudaStream_t stream) {

@@ -14,7 +14,8 @@
 
 // The cast of a bf16 tensor [rows, cols] (both multiples of 8). db (may be null): the column
 // sums of in, the bias gradient of the layer whose output gradient in is (written or added to, as
-// `write` says), through partial (fp8_cast_partial_floats(rows, cols)).
+// `write` says), through partial (fp8_cast_partial_floats(rows, cols)); untouched by a pass
+// without a scale (the current recipe's amax pass, which the writing pass follows).
 void cast_to_fp8(const __nv_bfloat16* in, int rows, int cols, const Fp8Out& o, cudaStream_t stream,
                  float* db = nullptr, float* partial = nullptr, GradWrite write = GradWrite::Overwrite);
 size_t fp8_cast_partial_floats(int rows, int cols);

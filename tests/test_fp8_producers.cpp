@@ -86,6 +86,17 @@ void check_gelu_fp8(const std::vector<double>& h, const std::vector<double>& da,
   CHECK(rel_error(to_f64(db.download()), db_ref) < 1e-4);
   // fc2's input for its weight gradient: the forward's very codes, transposed.
   CHECK(a8t.download() == transposed(a_codes, M, N));
+  // The current recipe's amax pass: the amax alone; the bias sums untouched (added once, by the
+  // writing pass, under accumulation).
+  const auto db_before = db.download();
+  dh8.poison();
+  dh_amax.upload(std::vector<float>{0.0f});
+  gelu_backward_fp8(da_in.get(), h_in.get(), M, N, Fp8Out{Fp8Kind::E5M2, nullptr, dh8.get(), nullptr, dh_amax.get()},
+                    Fp8Out{Fp8Kind::E4M3, as.get(), nullptr, a8t.get()}, db.get(), partial.get(), 0,
+                    GradWrite::Accumulate);
+  CHECK(std::fabs(dh_amax.download()[0] - amax_of(dh_ref)) <= 1e-5 * amax_of(dh_ref));
+  CHECK(db.download() == db_before);
+  for (uint8_t c : dh8.download()) REQUIRE(c == 0xFF);
 
   // With statistics (--fp8-stats), at a scale that saturates the largest values: every value
   // seen, the saturated counted, and the underflowed (nonzero values whose code is zero).
@@ -170,13 +181,17 @@ TEST_CASE("gpu: FP8 cast with bias sums, statistics, and an amax-only pass") {
       CHECK(sat >= 1);
       CHECK(st[2] == n);
 
-      // The current recipe's first pass: no scale, nothing written, only the amax measured.
+      // The current recipe's first pass: no scale, nothing written, only the amax measured; the
+      // bias sums neither, which the writing pass adds under accumulation.
       out.poison();
       amax.upload(std::vector<float>{0.0f});
-      cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, nullptr, out.get(), nullptr, amax.get(), stats.get()}, 0);
+      const auto db_before = db.download();
+      cast_to_fp8(in.get(), rows, cols, Fp8Out{kind, nullptr, out.get(), nullptr, amax.get(), stats.get()}, 0,
+                  db.get(), partial.get(), GradWrite::Accumulate);
       CHECK(amax.download()[0] == static_cast<float>(amax_of(x)));
       for (uint8_t c : out.download()) REQUIRE(c == 0xFF);
       CHECK(stats.download()[2] == n);  // nothing written, nothing counted
+      CHECK(db.download() == db_before);
     }
   }
 }
