@@ -23,7 +23,8 @@ enum class DType { BF16, F32, E4M3, E5M2 };
 // What the epilogue adds to the product. Bias: D += bias[N] (bias in D's dtype; bf16 for FP8
 // products whatever D is). BiasGrad:
 // also writes bias[M] = sum over K of op(A), the bias gradient of a weight-gradient product
-// (fp32), so no separate pass over the output gradient is needed.
+// (fp32). cuBLASLt runs it as a kernel of its own after the product, slower than the model's own
+// column sums (kernels/reduce.h), which the model takes; tools/gemm_rate prices it.
 enum class Epilogue { None, Bias, BiasGrad };
 
 // D[M, N] = op(A) * op(B) + (C if given) (+ the epilogue's), all row-major, fp32 accumulation.

@@ -1,6 +1,7 @@
 // Column sums out[N] = sum over rows of x[M, N] (row stride ld): the position embedding's
-// gradient, and bias gradients where no GEMM epilogue gives them (FP8 products). Two
-// deterministic stages through partial (colsum_partial_floats(M, N)).
+// gradient and the bf16 products' bias gradients (the FP8 products' come from the passes that
+// write their FP8 output gradients). Two deterministic stages through partial
+// (colsum_partial_floats(M, N)).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
