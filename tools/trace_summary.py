@@ -11,6 +11,7 @@ Usage: python3 tools/trace_summary.py TRACE.json [--gaps N]
 import argparse
 import json
 import re
+import signal
 import sys
 
 from trace_timeline import kind_of
@@ -115,4 +116,5 @@ def main():
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
     main()
